@@ -1,0 +1,226 @@
+"""Model and training configuration: dataclasses, named presets, `key=value` overrides.
+
+Configs are plain Python. `preset(name)` returns a fresh TrainConfig (whose `.model`
+is the ModelConfig); `apply_overrides` takes the CLI's `--set key=value` pairs, where a
+key names a TrainConfig field or, with a `model.` prefix or unambiguously, a ModelConfig
+field. `validate` raises ConfigError, naming the offending setting, before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, reported before any training starts."""
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 3072
+    n_layers: int = 36
+    q_heads: int = 24
+    kv_heads: int = 8
+    head_dim: int = 128
+    ffn_hidden: int = 8192
+    context_length: int = 4096
+    rope_theta: float = 500000.0
+    vocab_size: int = 50304
+    weight_tying: bool = False
+    rms_eps: float = 1e-5
+    qk_eps: float = 1e-6
+    rope_interleaved: bool = False  # False: NeoX half-split; True: GPT-J pairs
+    # Each flag moves exactly one stage from fp32 to bf16 (the seed's bisectable layout).
+    bf16_resid: bool = False   # residual stream + block RMSNorm scales
+    bf16_logits: bool = False  # logits (the loss itself is always fp32 here)
+    bf16_embed: bool = False   # token embedding (and the tied lm_head)
+    # Linear weights: "auto" = bf16 on CUDA, fp32 on CPU; or "bf16" / "fp32".
+    linear_dtype: str = "auto"
+
+    def validate(self) -> None:
+        for name in ("d_model", "n_layers", "q_heads", "kv_heads", "head_dim", "ffn_hidden",
+                     "context_length", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.q_heads % self.kv_heads:
+            raise ConfigError(f"model.q_heads ({self.q_heads}) must be divisible by "
+                              f"model.kv_heads ({self.kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.linear_dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"model.linear_dtype must be auto, bf16 or fp32, got {self.linear_dtype!r}")
+        if self.rms_eps <= 0 or self.qk_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError("model.rms_eps, model.qk_eps and model.rope_theta must be positive")
+
+    def num_params(self) -> int:
+        """Exact parameter count of BLU(self) (tests hold the model to it)."""
+        d, hd, F = self.d_model, self.head_dim, self.ffn_hidden
+        attn = d * (self.q_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.q_heads * hd) * d + 2 * hd
+        ffn = d * 2 * F + F * d
+        block = attn + ffn + 2 * d  # + the two RMSNorm scales
+        embed = self.vocab_size * d
+        head = 0 if self.weight_tying else self.vocab_size * d
+        return embed + self.n_layers * block + d + head
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    preset: str = "custom"
+    B: int = 2                      # micro-batch per rank
+    T: int = 4096                   # sequence length
+    global_batch: int = 2097152     # tokens per optimizer step, all ranks
+    grad_clip: float = 1.0
+    weight_decay: float = 0.1
+    max_lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 200
+    stable_steps: int = 1400
+    max_steps: int = 2000
+    optimizer: str = "adamw"        # "adamw" | "muon"
+    muon_lr: float = 8e-4
+    muon_min_lr: float = 8e-5
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_ns_steps: int = 5
+    val_freq: int = 250
+    val_loss_steps: int = 20
+    seed: int = 1337
+    data: str = "default"           # "default" (embedded corpus) or a folder of .bin shards
+    device: str = "auto"            # "auto" | "cpu" | "cuda"
+    kernels: str = "auto"           # "auto" | "torch" | "triton"
+    mfu_warmup: int = 5             # steps excluded from steady-state MFU
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        return self.global_batch // (self.B * self.T * world_size)
+
+    def validate(self, world_size: int = 1) -> None:
+        self.model.validate()
+        for name in ("B", "T", "global_batch", "max_steps", "val_freq", "val_loss_steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.T > self.model.context_length:
+            raise ConfigError(f"T ({self.T}) exceeds model.context_length ({self.model.context_length})")
+        per_step = self.B * self.T * world_size
+        if self.global_batch % per_step:
+            raise ConfigError(f"global_batch ({self.global_batch}) must be divisible by "
+                              f"B*T*world_size = {self.B}*{self.T}*{world_size} = {per_step}")
+        if self.warmup_steps < 0 or self.stable_steps < 0:
+            raise ConfigError("warmup_steps and stable_steps must be >= 0")
+        if self.warmup_steps + self.stable_steps >= self.max_steps:
+            raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
+                              f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.min_lr < 0 or self.max_lr <= 0 or self.min_lr > self.max_lr:
+            raise ConfigError(f"need 0 <= min_lr <= max_lr and max_lr > 0, got {self.min_lr}, {self.max_lr}")
+
+    def rescale_schedule(self, max_steps: int) -> None:
+        """The seed's BLU_MAX_STEPS: warmup N/10, stable N/2, cosine decay over the rest."""
+        if max_steps < 3:
+            raise ConfigError(f"--max-steps must be >= 3 to leave a decay tail, got {max_steps}")
+        self.max_steps = max_steps
+        self.warmup_steps = max(1, max_steps // 10)
+        self.stable_steps = max_steps // 2
+        self.val_freq = min(self.val_freq, max_steps)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        model = ModelConfig(**d.pop("model"))
+        return cls(model=model, **d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _tiny() -> TrainConfig:
+    # Trains on a laptop CPU in seconds; vocab 320 covers the 257-symbol byte tokenizer.
+    model = ModelConfig(d_model=128, n_layers=4, q_heads=4, kv_heads=2, head_dim=32, ffn_hidden=352,
+                        context_length=128, vocab_size=320, weight_tying=True)
+    return TrainConfig(model=model, preset="tiny", B=8, T=128, global_batch=4096, max_lr=3e-3,
+                       min_lr=3e-4, muon_lr=3e-3, muon_min_lr=3e-4, warmup_steps=10,
+                       stable_steps=50, max_steps=100, val_freq=20, val_loss_steps=4)
+
+
+def _gpt2_small() -> TrainConfig:
+    model = ModelConfig(d_model=768, n_layers=12, q_heads=12, kv_heads=4, head_dim=64, ffn_hidden=2048,
+                        context_length=1024, vocab_size=50304, weight_tying=True)
+    return TrainConfig(model=model, preset="124m", B=16, T=1024, global_batch=524288,
+                       warmup_steps=200, stable_steps=1400, max_steps=2000)
+
+
+def _one_b() -> TrainConfig:
+    model = ModelConfig(d_model=2048, n_layers=16, q_heads=16, kv_heads=8, head_dim=128, ffn_hidden=5632,
+                        context_length=2048, vocab_size=50304, weight_tying=False)
+    return TrainConfig(model=model, preset="1b", B=8, T=2048, global_batch=524288,
+                       warmup_steps=200, stable_steps=1400, max_steps=2000)
+
+
+def _seed_4b() -> TrainConfig:
+    # The C++ seed's production run, field for field.
+    return TrainConfig(model=ModelConfig(), preset="seed-4b")
+
+
+PRESETS = {"tiny": _tiny, "124m": _gpt2_small, "1b": _one_b, "seed-4b": _seed_4b}
+
+
+def preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def _parse_value(raw: str, current):
+    if isinstance(current, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"expected a boolean, got {raw!r}")
+    if isinstance(current, int):
+        try:
+            return int(float(raw)) if float(raw).is_integer() else int(raw)
+        except ValueError:
+            raise ConfigError(f"expected an integer, got {raw!r}") from None
+    if isinstance(current, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"expected a number, got {raw!r}") from None
+    return raw
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """Apply `key=value` strings in order; unknown keys are an error naming the key."""
+    train_keys = {f.name for f in fields(TrainConfig)} - {"model"}
+    model_keys = {f.name for f in fields(ModelConfig)}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        if key.startswith("model."):
+            target, name = cfg.model, key[len("model."):]
+            if name not in model_keys:
+                raise ConfigError(f"unknown model setting {name!r} in override {item!r}")
+        elif key in train_keys:
+            target, name = cfg, key
+        elif key in model_keys:
+            target, name = cfg.model, key
+        else:
+            raise ConfigError(f"unknown setting {key!r}; TrainConfig keys: {sorted(train_keys)}; "
+                              f"ModelConfig keys (optionally prefixed 'model.'): {sorted(model_keys)}")
+        try:
+            setattr(target, name, _parse_value(raw, getattr(target, name)))
+        except ConfigError as err:
+            raise ConfigError(f"override {item!r}: {err}") from None
+    return cfg

@@ -1,0 +1,90 @@
+"""Kernel ops used by the model, each dispatching to plain torch or a fused Triton kernel.
+
+backend=None picks Triton for CUDA tensors when a fused kernel exists (and, where the
+kernel module defines `prefer(*args)`, when it says it is the faster choice for the
+shape), else the torch reference. `BLUNB_KERNELS=torch|triton` forces one for A/B.
+The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
+exposing a function named like the op. On a machine without CUDA, Triton kernels
+run under the interpreter (TRITON_INTERPRET=1, set here before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from blunb.kernels import reference
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BACKENDS = (None, "torch", "triton")
+_fused_modules: dict[str, object] = {}
+
+
+def _fused(op: str):
+    """The fused module of `op`, or None when it has no Triton kernel (yet)."""
+    if op not in _fused_modules:
+        try:
+            _fused_modules[op] = importlib.import_module(f"blunb.kernels.fused.{op}")
+        except ModuleNotFoundError as err:
+            if err.name not in (f"blunb.kernels.fused.{op}", "triton"):
+                raise
+            _fused_modules[op] = None
+    return _fused_modules[op]
+
+
+def _resolve(op: str, backend: str | None, x: torch.Tensor, args) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = backend or os.environ.get("BLUNB_KERNELS") or None
+    if backend is None:
+        mod = _fused(op) if x.is_cuda else None
+        prefer = getattr(mod, "prefer", None)
+        return "triton" if mod is not None and (prefer is None or prefer(*args)) else "torch"
+    if backend == "triton" and _fused(op) is None:
+        raise NotImplementedError(f"kernels.{op}: no Triton implementation yet; use backend='torch'")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"BLUNB_KERNELS must be 'torch' or 'triton', got {backend!r}")
+    return backend
+
+
+def _call(op: str, backend: str | None, *args):
+    impl = reference if _resolve(op, backend, args[0], args) == "torch" else _fused(op)
+    return getattr(impl, op)(*args)
+
+
+def rope_cache(T: int, head_dim: int, theta: float, device=None):
+    return reference.rope_cache(T, head_dim, theta, device)
+
+
+def rms_norm(x, weight, eps: float, backend: str | None = None):
+    return _call("rms_norm", backend, x, weight, eps)
+
+
+def qk_norm_rope(q, k, q_gamma, k_gamma, cos, sin, eps: float, interleaved: bool = False,
+                 backend: str | None = None):
+    return _call("qk_norm_rope", backend, q, k, q_gamma, k_gamma, cos, sin, eps, interleaved)
+
+
+def flash_attention(q, k, v, causal: bool = True, backend: str | None = None):
+    return _call("flash_attention", backend, q, k, v, causal)
+
+
+def swiglu(gu, backend: str | None = None):
+    return _call("swiglu", backend, gu)
+
+
+def cross_entropy(logits, targets, ignore_index: int = -100, backend: str | None = None):
+    return _call("cross_entropy", backend, logits, targets, ignore_index)
+
+
+def syrk(x, backend: str | None = None):
+    return _call("syrk", backend, x)
+
+
+def active_backend(op: str, *args, backend: str | None = None) -> str:
+    """Which backend `op` would run on these arguments (for logging once at start)."""
+    return _resolve(op, backend, args[0], args)

@@ -1,0 +1,91 @@
+"""Plain-torch reference of every kernel op: the executable spec.
+
+Each fused kernel in `blunb/kernels/fused/` is tested against the function of the
+same name here. All math runs in fp32; results are cast back to the input dtype,
+which is what the fused kernels do too (fp32 statistics, low-precision storage).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rope_cache(T: int, head_dim: int, theta: float, device=None):
+    """(cos, sin), each [T, head_dim // 2] fp32, for positions 0..T-1."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    angles = torch.arange(T, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate the last dim of fp32 x [..., T, hd] by (cos, sin) [T, hd/2]."""
+    if interleaved:  # GPT-J: pairs (x[2i], x[2i+1])
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2  # NeoX: halves (x[i], x[i + hd/2])
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def qk_norm_rope(q, k, q_gamma, k_gamma, cos, sin, eps: float, interleaved: bool = False):
+    """q [B,Hq,T,hd], k [B,Hkv,T,hd] (any strides): RMSNorm over hd with gamma, then RoPE.
+
+    The island runs in fp32 whatever the input dtype; outputs keep q/k's dtype.
+    """
+    T = q.shape[-2]
+    cos, sin = cos[:T].float(), sin[:T].float()
+
+    def one(x, gamma):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
+        return apply_rope(xf, cos, sin, interleaved).to(x.dtype)
+
+    return one(q, q_gamma), one(k, k_gamma)
+
+
+def flash_attention(q, k, v, causal: bool = True):
+    """Grouped-query attention: q [B,Hq,T,hd], k/v [B,Hkv,T,hd], scale hd**-0.5.
+
+    Query head h reads kv head h // (Hq // Hkv).
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attention_math(q, k, v, causal: bool = True):
+    """The same attention as explicit fp32 math: the spec the fused kernel is held to."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        T, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ vf).to(q.dtype)
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2F] laid out [gate | up] -> silu(gate) * up, [..., F]."""
+    gate, up = gu.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gu.dtype)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """fp32 mean loss over non-ignored targets (0.0, not NaN, when every target is ignored)."""
+    total = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+    count = (targets != ignore_index).sum().clamp(min=1)
+    return total / count
+
+
+def syrk(x: torch.Tensor) -> torch.Tensor:
+    """x @ x.mT for [m, n] or [b, m, n]."""
+    return x @ x.mT
