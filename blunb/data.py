@@ -1,0 +1,294 @@
+"""Token shards, corpus preparation and the per-rank loader.
+
+Shards use the llm.c / modded-nanogpt `.bin` format, so real FineWeb shards work as-is:
+a header of 256 int32 (magic 20240520, version 1, token count, zeros) then uint16 tokens.
+
+The embedded default corpus is the running Python's own standard-library source: present
+on every machine, no network. It is tokenized at the byte level (256 byte values plus an
+end-of-document token), prepared once and cached under $BLUNB_DATA_DIR (default
+~/.cache/blunb/data), keyed by the Python version and the file list; its content hash is
+recorded in meta.json and copied into every run folder.
+
+`python -m blunb.data prepare [--src FOLDER] [--out DIR]` prepares the default corpus or a
+folder of text files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+
+class DataError(ValueError):
+    """A missing, corrupt or unusable data file, named in the message."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus an end-of-document token 256. Needs no download."""
+
+    name = "bytes-v1"
+    eot = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens) -> str:
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------- shard files
+
+def write_shard(path: str | Path, tokens) -> None:
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise DataError(f"{path}: tokens must fit in uint16 for the .bin format")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)  # a crash never leaves a half-written shard under the real name
+
+
+def read_header(path: str | Path) -> int:
+    """Validate a shard's header and size; return its token count."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"shard not found: {path}")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]} (expected {MAGIC}); not an llm.c .bin token shard")
+    if header[1] != VERSION:
+        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {VERSION})")
+    ntok = int(header[2])
+    if size != HEADER_BYTES + 2 * ntok:
+        raise DataError(f"{path}: header says {ntok} tokens ({HEADER_BYTES + 2 * ntok} bytes) "
+                        f"but the file has {size} bytes; the shard is truncated or corrupt")
+    return ntok
+
+
+def read_shard(path: str | Path) -> np.ndarray:
+    ntok = read_header(path)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def find_shards(folder: str | Path, split: str) -> list[Path]:
+    """Shards of a split in a folder: any `*{split}*.bin` (llm.c: fineweb_train_000001.bin)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"data folder not found: {folder}")
+    shards = sorted(p for p in folder.glob(f"*{split}*.bin"))
+    if not shards:
+        raise DataError(f"no '{split}' shards (*{split}*.bin) in {folder}")
+    return shards
+
+
+# ---------------------------------------------------------------- corpus preparation
+
+def _progress(iterable, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="file", file=sys.stderr)
+
+
+def prepare_corpus(files: list[Path], out_dir: str | Path, *, val_every: int = 20,
+                   shard_tokens: int = 1 << 22, progress: bool = True, source: str = "") -> dict:
+    """Tokenize `files` (sorted, one document each) into train/val shards in `out_dir`.
+
+    Every `val_every`-th document goes to val. Written to a temporary folder and renamed
+    into place, so an interrupted prepare leaves no half-made corpus behind.
+    """
+    tok = ByteTokenizer()
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    digest = hashlib.sha256()
+    buffers = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    shard_idx = {"train": 0, "val": 0}
+
+    def flush(split, final=False):
+        buf = np.concatenate(buffers[split]) if buffers[split] else np.zeros(0, np.uint16)
+        while buf.size >= shard_tokens or (final and buf.size):
+            write_shard(tmp / f"{split}_{shard_idx[split]:06d}.bin", buf[:shard_tokens])
+            shard_idx[split] += 1
+            buf = buf[shard_tokens:]
+        buffers[split] = [buf] if buf.size else []
+
+    try:
+        for i, path in enumerate(_progress(files, len(files), "tokenizing", progress)):
+            raw = Path(path).read_bytes()
+            digest.update(raw)
+            split = "val" if i % val_every == val_every - 1 else "train"
+            arr = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+            buffers[split].append(np.append(arr, np.uint16(tok.eot)))
+            counts[split] += arr.size + 1
+            if sum(b.size for b in buffers[split]) >= shard_tokens:
+                flush(split)
+        flush("train", final=True)
+        flush("val", final=True)
+        if counts["train"] == 0 or counts["val"] == 0:
+            raise DataError(f"corpus of {len(files)} files is too small for a train/val split")
+        meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
+                "sha256": digest.hexdigest(), "num_files": len(files), "source": source,
+                "train_tokens": counts["train"], "val_tokens": counts["val"], "format": "llm.c .bin v1"}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def stdlib_files(max_bytes: int = 24 << 20) -> list[Path]:
+    """The standard library's .py files in a fixed order, capped at `max_bytes` in total."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).parts
+        if "site-packages" in rel or "dist-packages" in rel:
+            continue
+        size = p.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(p)
+        total += size
+    return files
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("BLUNB_DATA_DIR", Path.home() / ".cache" / "blunb" / "data"))
+
+
+def default_corpus_dir(files: list[Path] | None = None) -> Path:
+    files = stdlib_files() if files is None else files
+    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return data_root() / f"stdlib-py{ver}-{key}"
+
+
+def ensure_default_corpus(progress: bool = True) -> Path:
+    """Prepare the embedded corpus on first use; return its folder (cached afterwards)."""
+    files = stdlib_files()
+    out = default_corpus_dir(files)
+    if not (out / "meta.json").is_file():
+        print(f"preparing the default corpus ({len(files)} stdlib files) into {out}", file=sys.stderr)
+        prepare_corpus(files, out, progress=progress, source=f"python {sys.version.split()[0]} stdlib")
+    return out
+
+
+def corpus_meta(folder: str | Path) -> dict:
+    """meta.json of a prepared corpus, or a description built from the shard headers."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if meta_path.is_file():
+        return json.loads(meta_path.read_text())
+    return {"tokenizer": "unknown (external shards)", "source": str(folder),
+            "train_tokens": sum(read_header(p) for p in find_shards(folder, "train"))}
+
+
+# ---------------------------------------------------------------- loader
+
+class ShardLoader:
+    """Strided per-rank batches, like the seed's DataLoaderLite.
+
+    Each call of next_batch() gives rank r the B*T(+1) tokens at `position`, then advances
+    every rank by B*T*world_size, so ranks read disjoint, interleaved windows. At the end
+    of a shard it moves to the next one (wrapping around), restarting at offset B*T*rank.
+    """
+
+    def __init__(self, shards: list[Path], B: int, T: int, rank: int = 0, world_size: int = 1):
+        if not shards:
+            raise DataError("no shards given to the loader")
+        self.shards = [Path(p) for p in shards]
+        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+        need = B * T * world_size + 1
+        for p in self.shards:
+            ntok = read_header(p)
+            if ntok < need:
+                raise DataError(f"{p}: {ntok} tokens is too short for one step of B*T*world_size+1 = {need}")
+        self.reset()
+
+    def reset(self) -> None:
+        self.shard_idx = 0
+        self.tokens = read_shard(self.shards[0])
+        self.position = self.B * self.T * self.rank
+
+    def where(self) -> tuple[str, int]:
+        """(shard file name, token offset) of the next batch, for diagnostics."""
+        return self.shards[self.shard_idx].name, self.position
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = self.B, self.T
+        buf = torch.from_numpy(self.tokens[self.position:self.position + B * T + 1].astype(np.int64))
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
+        self._advance()
+        return x, y
+
+    def skip_batches(self, n: int) -> None:
+        """Advance past n batches without reading them (resume at the same data position)."""
+        for _ in range(n):
+            self._advance()
+
+    def _advance(self) -> None:
+        step = self.B * self.T * self.world_size
+        self.position += step
+        if self.position + step + 1 > len(self.tokens):
+            self.shard_idx = (self.shard_idx + 1) % len(self.shards)
+            self.tokens = read_shard(self.shards[self.shard_idx])
+            self.position = self.B * self.T * self.rank
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m blunb.data", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val .bin shards")
+    p.add_argument("--src", help="folder of text files (*.txt, *.md, *.py); default: the stdlib corpus")
+    p.add_argument("--out", help="output folder (default: the cache folder of the default corpus)")
+    args = ap.parse_args(argv)
+    if args.src is None:
+        out = ensure_default_corpus() if args.out is None else None
+        if out is None:
+            files = stdlib_files()
+            prepare_corpus(files, args.out, source="python stdlib")
+            out = Path(args.out)
+    else:
+        src = Path(args.src)
+        files = sorted(p for ext in ("*.txt", "*.md", "*.py") for p in src.rglob(ext))
+        if not files:
+            raise SystemExit(f"no *.txt, *.md or *.py files under {src}")
+        if args.out is None:
+            raise SystemExit("--out is required with --src")
+        prepare_corpus(files, args.out, source=str(src))
+        out = Path(args.out)
+    print(json.dumps(corpus_meta(out), indent=2))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Helpers shared by the fused kernels: config choice under the interpreter, SM count."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def configs(gpu: list[triton.Config], cpu: triton.Config) -> list[triton.Config]:
+    """Autotune candidates: several on a GPU, exactly one under the interpreter
+    (more than one would make the autotuner time them with a CUDA-only do_bench)."""
+    return [cpu] if interpreting() else gpu
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device`; a small stand-in under the interpreter (CPU tensors),
+    where every program instance is a Python loop and fewer, longer programs are cheaper."""
+    if device.type != "cuda":
+        return 2
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, last dim] tensor with a unit last-dim stride (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()

@@ -1,0 +1,302 @@
+"""The training loop: `python -m blunb.train` single-process, the same flags under torchrun.
+
+    python -m blunb.train --preset tiny --max-steps 50 --run-dir results/quickstart/run0 \
+        [--optimizer adamw|muon] [--data FOLDER] [--set key=value ...]
+    torchrun --standalone --nproc_per_node=2 -m blunb.train ...
+
+Per step: gradient accumulation to the global batch, a clipped optimizer step on the
+rank-averaged gradient, the seed's step line on rank 0, one metrics.csv row. Validation
+every val_freq steps and on the last step, averaged over ranks. A non-finite loss stops
+the run with an error naming the step (its row is written first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from blunb import kernels
+from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
+from blunb.data import ByteTokenizer, DataError, ShardLoader, corpus_meta, ensure_default_corpus, find_shards
+from blunb.mfu import MFUMeter
+from blunb.model import BLU
+from blunb.optim import wsd_lr
+from blunb.runs import MetricsWriter, environment
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss); the message names the step."""
+
+
+class Console:
+    """Rank 0 prints and mirrors to log.txt; other ranks stay quiet."""
+
+    def __init__(self, rank: int, path: Path | None):
+        self.rank = rank
+        self._f = open(path, "a") if (rank == 0 and path is not None) else None
+
+    def __call__(self, msg: str = "") -> None:
+        if self.rank != 0:
+            return
+        print(msg, flush=True)
+        if self._f:
+            self._f.write(msg + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+
+
+def _dist_env() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda was asked for but torch sees no CUDA device")
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def _resolve_data(cfg: TrainConfig, rank: int, world_size: int) -> Path:
+    if cfg.data != "default":
+        folder = Path(cfg.data)
+        find_shards(folder, "train"), find_shards(folder, "val")  # fail now, naming what is missing
+        return folder
+    if rank == 0:
+        folder = ensure_default_corpus(progress=True)
+    if world_size > 1:
+        dist.barrier()
+    return ensure_default_corpus(progress=False) if rank != 0 else folder
+
+
+def _all_reduce_mean(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= world_size
+    return t
+
+
+class AdamWDDP:
+    """torch DDP + AdamW (fused on CUDA), no weight decay on 1-D params, clip_grad_norm_."""
+
+    label = "ddp-adamw"
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
+        self.model = model
+        self.module = model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,
+                                     fused=device.type == "cuda")
+        self.cfg = cfg
+        self.params = list(model.parameters())
+
+    def micro_step_context(self, last: bool):
+        return nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+
+    def set_lr(self, step: int) -> dict:
+        c = self.cfg
+        lr = wsd_lr(step, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps, c.stable_steps)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return {"lr": lr}
+
+    def step(self) -> dict:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else
+                                              float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"grad_norm": norm}
+
+
+def build_optimizer(model, cfg: TrainConfig, device, world_size: int):
+    if cfg.optimizer == "muon":
+        raise ConfigError("optimizer=muon needs ShardedMuon, which this build does not have yet")
+    return AdamWDDP(model, cfg, device, world_size)
+
+
+@torch.no_grad()
+def evaluate(model, loader: ShardLoader, steps: int, device, world_size: int) -> float:
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        total += model(x.to(device), y.to(device))[1].float()
+    model.train()
+    return float(_all_reduce_mean(total / steps, world_size))
+
+
+def _prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    if (run_dir / "metrics.csv").exists() and not overwrite:
+        raise ConfigError(f"{run_dir} already holds a run (metrics.csv); choose a new --run-dir or pass --overwrite")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.csv", "log.txt"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Path:
+    """Train `cfg`, writing the run folder; returns run_dir. Works single-process and under torchrun."""
+    run_dir = Path(run_dir)
+    rank, world_size, local_rank = _dist_env()
+    cfg.validate(world_size)  # every config error before any work
+    if cfg.kernels != "auto":
+        os.environ["BLUNB_KERNELS"] = cfg.kernels
+    device = _pick_device(cfg, local_rank)
+    if rank == 0:
+        _prepare_run_dir(run_dir, overwrite)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    log = Console(rank, run_dir / "log.txt")
+    metrics = None
+    try:
+        data_dir = _resolve_data(cfg, rank, world_size)
+        meta = corpus_meta(data_dir)
+        if meta.get("vocab_size", 0) > cfg.model.vocab_size:
+            raise ConfigError(f"the corpus tokenizer has {meta['vocab_size']} symbols but model.vocab_size is "
+                              f"{cfg.model.vocab_size}")
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        # Shard order comes from the seed: every rank permutes identically.
+        train_shards = find_shards(data_dir, "train")
+        order = np.random.default_rng(cfg.seed).permutation(len(train_shards))
+        train_loader = ShardLoader([train_shards[i] for i in order], cfg.B, cfg.T, rank, world_size)
+        val_loader = ShardLoader(find_shards(data_dir, "val"), cfg.B, cfg.T, rank, world_size)
+
+        model = BLU(cfg.model, device=device, seed=cfg.seed)
+        opt = build_optimizer(model, cfg, device, world_size)
+        accum = cfg.grad_accum_steps(world_size)
+        tokens_per_step = cfg.B * cfg.T * accum * world_size
+        meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
+                               device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
+        if rank == 0:
+            (run_dir / "config.json").write_text(cfg.to_json())
+            env = environment(world_size, device)
+            env["corpus"] = {"dir": str(data_dir), **meta}
+            (run_dir / "env.json").write_text(json.dumps(env, indent=2))
+            metrics = MetricsWriter(run_dir / "metrics.csv", ["tokens", "grad_accum"])
+        x0 = torch.zeros(1, min(cfg.T, 8), dtype=torch.long, device=device)
+        log(f"blunb {cfg.preset}: {model.num_params():,} params | world {world_size} x {device} | "
+            f"B {cfg.B} T {cfg.T} accum {accum} -> {tokens_per_step:,} tokens/step | optimizer {opt.label}")
+        log(f"kernels: rms_norm={kernels.active_backend('rms_norm', x0.float())} "
+            f"attention={kernels.active_backend('flash_attention', x0.float())} "
+            f"cross_entropy={kernels.active_backend('cross_entropy', x0.float())}")
+        log(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens)")
+        log(meter.banner(model.num_params(), tokens_per_step))
+
+        start = time.perf_counter()
+        last_val = None
+        for step in range(cfg.max_steps):
+            last_step = step == cfg.max_steps - 1
+            if step % cfg.val_freq == 0 or last_step:
+                last_val = evaluate(model, val_loader, cfg.val_loss_steps, device, world_size)
+                val_this_step = last_val
+            else:
+                val_this_step = None
+            t0 = time.perf_counter()
+            lrs = opt.set_lr(step)
+            loss_accum = torch.zeros((), device=device)
+            for micro in range(accum):
+                x, y = train_loader.next_batch()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with opt.micro_step_context(last=micro == accum - 1):
+                    _, loss = opt.model(x, y)
+                    (loss / accum).backward()
+                loss_accum += loss.detach().float() / accum
+            stats = opt.step()
+            train_loss = float(_all_reduce_mean(loss_accum, world_size))
+            grad_norm = float(stats["grad_norm"])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            meter.observe(dt, tokens_per_step)
+            row = {"step": step, "train_loss": train_loss, "val_loss": val_this_step,
+                   "tok_per_sec": tokens_per_step / dt, "grad_norm": grad_norm, "dt_ms": dt * 1e3,
+                   "lr": lrs["lr"], "elapsed_min": (time.perf_counter() - start) / 60,
+                   "mfu": meter.mfu(dt, tokens_per_step), "mfu_palm": meter.mfu_palm(dt, tokens_per_step),
+                   "tflops_per_gpu": meter.tflops_per_gpu(dt, tokens_per_step),
+                   "tokens": (step + 1) * tokens_per_step, "grad_accum": accum}
+            if metrics:
+                metrics.write(row)
+            val_txt = f"{last_val:.6f}" if last_val is not None else "n/a"
+            mfu_txt = "n/a" if math.isnan(row["mfu"]) else f"{row['mfu'] * 100:.2f}%"
+            log(f"step {step:6d} | train {train_loss:.6f} | val {val_txt} | tok/s {row['tok_per_sec']:.2f} | "
+                f"norm {grad_norm:.4f} | dt {dt * 1e3:.2f} ms | mfu {mfu_txt} | "
+                f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
+            if not math.isfinite(train_loss):
+                raise TrainingError(f"non-finite training loss ({train_loss}) at step {step}; stopping the run")
+        log()
+        log(meter.summary())
+        log("=== Training complete ===")
+        return run_dir
+    finally:
+        if metrics:
+            metrics.close()
+        log.close()
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(prog="python -m blunb.train", description="Train a BLU model; writes a run folder.")
+    ap.add_argument("--preset", default="tiny", help="tiny | 124m | 1b | seed-4b")
+    ap.add_argument("--max-steps", type=int, help="steps to run; rescales the WSD schedule like BLU_MAX_STEPS")
+    ap.add_argument("--run-dir", help="run folder (default: results/adhoc/<preset>-<time>)")
+    ap.add_argument("--optimizer", choices=["adamw", "muon"])
+    ap.add_argument("--data", help="folder of *train*.bin / *val*.bin shards (default: the embedded corpus)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any TrainConfig / ModelConfig field (repeatable)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
+    args = ap.parse_args(argv)
+    cfg = preset(args.preset)
+    if args.max_steps is not None:
+        cfg.rescale_schedule(args.max_steps)
+    if args.optimizer:
+        cfg.optimizer = args.optimizer
+    if args.data:
+        cfg.data = args.data
+    apply_overrides(cfg, args.overrides)
+    if args.run_dir is None:
+        from blunb.runs import results_root
+
+        args.run_dir = str(results_root() / "adhoc" / f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return cfg, args
+
+
+def main(argv=None) -> None:
+    try:
+        cfg, args = parse_args(argv)
+        train(cfg, args.run_dir, overwrite=args.overwrite)
+    except (ConfigError, DataError, TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
