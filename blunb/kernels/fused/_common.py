@@ -13,10 +13,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def configs(gpu: list[triton.Config], cpu: triton.Config) -> list[triton.Config]:
-    """Autotune candidates: several on a GPU, exactly one under the interpreter
-    (more than one would make the autotuner time them with a CUDA-only do_bench)."""
-    return [cpu] if interpreting() else gpu
+def _quick_bench(kernel_call, quantiles):
+    # these kernels run ~0.1-2 ms at training sizes: a few ms of timing per config is enough
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=30, quantiles=quantiles)
+
+
+def autotune(gpu: list[triton.Config], cpu: triton.Config, key: list[str]):
+    """triton.autotune over `gpu` on a GPU; exactly `cpu` under the interpreter (more than one
+    config would make the autotuner time them with a CUDA-only do_bench). Every kernel using
+    this writes all its outputs afresh on each call, so re-running it while tuning is safe."""
+    return triton.autotune(configs=[cpu] if interpreting() else gpu, key=key, do_bench=_quick_bench)
 
 
 @functools.lru_cache(maxsize=None)

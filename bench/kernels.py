@@ -1,0 +1,187 @@
+"""Time forward+backward of the fused kernels against torch eager, torch.compile and Liger.
+
+Run on a CUDA GPU:  PYTHONPATH=. python3 bench/kernels.py [--out results/bench/kernels.csv]
+
+Every impl of an op gets the same fresh random inputs and one output gradient, and is
+timed as forward + torch.autograd.grad (no .grad accumulation) with
+triton.testing.do_bench (median, after warm-up; autotuning and compilation happen
+in an untimed first call). Effective bandwidth uses the minimum byte counts of the
+issue: RMSNorm 5 passes over x, SwiGLU 8*F elements per row, cross-entropy 2 passes
+over the logits, QK-norm+RoPE 4 passes over q+k. The device's copy bandwidth
+(read + write of a 2 GiB device-to-device copy) is measured in the same run.
+The CSV is rewritten after every op, so a cut-short run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from blunb.kernels import reference as ref
+from blunb.kernels.fused.cross_entropy import cross_entropy as tri_ce
+from blunb.kernels.fused.qk_norm_rope import qk_norm_rope as tri_qk
+from blunb.kernels.fused.rms_norm import rms_norm as tri_rms
+from blunb.kernels.fused.swiglu import swiglu as tri_swiglu
+
+COLUMNS = ["op", "shape", "dtype", "impl", "ms", "eff_GBps", "frac_of_copy_bw", "speedup_vs_best_baseline",
+           "device", "torch", "triton"]
+DEV = "cuda"
+
+try:
+    from liger_kernel.ops import LigerCrossEntropyFunction, LigerFusedGateUpSiLUMulFunction, LigerRMSNormFunction
+except Exception as err:  # optional: only where its wheel was carried
+    print(f"Liger-Kernel not importable ({type(err).__name__}: {err}); skipping it", file=sys.stderr)
+    LigerRMSNormFunction = None
+
+
+def _time(fn) -> float:
+    fn()  # autotune / compile outside the timing
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth_gbps() -> float:
+    src = torch.randn(1 << 29, device=DEV)  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = _time(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def _fwd_bwd(fn, inputs, douts):
+    """A closure running fn(*inputs) and the gradients of its outputs w.r.t. the float inputs."""
+    diff = [x for x in inputs if x.requires_grad]
+
+    def run():
+        outs = fn(*inputs)
+        torch.autograd.grad(outs, diff, douts)
+
+    return run
+
+
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def case_rms_norm():
+    M, N, eps = 16384, 4096, 1e-6
+    x = torch.randn(M, N, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(N, device=DEV)).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    impls = {
+        "blunb_triton": lambda x, w: tri_rms(x, w, eps),
+        "torch_eager": lambda x, w: ref.rms_norm(x, w, eps),
+        "torch_compile": _compiled(lambda x, w: ref.rms_norm(x, w, eps)),
+    }
+    if LigerRMSNormFunction is not None:
+        impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps)
+    return "rms_norm", f"{M}x{N}", "bf16", 5 * x.numel() * 2, {k: _fwd_bwd(f, [x, w], [dy]) for k, f in impls.items()}
+
+
+def case_qk_norm_rope():
+    B, Hq, Hk, T, hd, eps = 8, 16, 8, 2048, 128, 1e-6
+    # the model's layout: projection outputs [B,T,H*hd] viewed as [B,H,T,hd]
+    q = torch.randn(B, T, Hq * hd, device=DEV, dtype=torch.bfloat16).view(B, T, Hq, hd).transpose(1, 2)
+    k = torch.randn(B, T, Hk * hd, device=DEV, dtype=torch.bfloat16).view(B, T, Hk, hd).transpose(1, 2)
+    q.requires_grad_(), k.requires_grad_()
+    qg = (1 + 0.1 * torch.randn(hd, device=DEV)).requires_grad_()
+    kg = (1 + 0.1 * torch.randn(hd, device=DEV)).requires_grad_()
+    cos, sin = ref.rope_cache(T, hd, 10000.0, device=DEV)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    impls = {
+        "blunb_triton": lambda q, k, a, b: tri_qk(q, k, a, b, cos, sin, eps, False),
+        "torch_eager": lambda q, k, a, b: ref.qk_norm_rope(q, k, a, b, cos, sin, eps, False),
+        "torch_compile": _compiled(lambda q, k, a, b: ref.qk_norm_rope(q, k, a, b, cos, sin, eps, False)),
+    }
+    nbytes = 4 * (q.numel() + k.numel()) * 2
+    shape = f"B{B} Hq{Hq} Hkv{Hk} T{T} hd{hd}"
+    return "qk_norm_rope", shape, "bf16", nbytes, {k_: _fwd_bwd(f, [q, k, qg, kg], [dq, dk]) for k_, f in impls.items()}
+
+
+def case_swiglu():
+    M, F = 16384, 8192
+    gu = torch.randn(M, 2 * F, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, F, device=DEV, dtype=torch.bfloat16)
+    impls = {"blunb_triton": tri_swiglu, "torch_eager": ref.swiglu, "torch_compile": _compiled(ref.swiglu)}
+    if LigerRMSNormFunction is not None:  # Liger's kernel for the same fused [gate | up] layout
+        impls["liger"] = lambda gu: LigerFusedGateUpSiLUMulFunction.apply(gu)
+    return "swiglu", f"{M}x(2x{F})", "bf16", 8 * F * M * 2, {k: _fwd_bwd(f, [gu], [dy]) for k, f in impls.items()}
+
+
+def case_cross_entropy(dtype):
+    N, V = 16384, 50304
+    logits = (2 * torch.randn(N, V, device=DEV)).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (N,), device=DEV)
+    impls = {
+        "blunb_triton": tri_ce,
+        "torch_eager": ref.cross_entropy,
+        "torch_compile": _compiled(ref.cross_entropy),
+    }
+    if LigerRMSNormFunction is not None:  # Liger writes its gradient into the logits in place
+        impls["liger"] = lambda lg, t: LigerCrossEntropyFunction.apply(lg, t, None, -100)[0]
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    nbytes = 2 * logits.numel() * logits.element_size()
+    runs = {k: _fwd_bwd(f, [logits, targets], None) for k, f in impls.items()}
+    return "cross_entropy", f"{N}x{V}", name, nbytes, runs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/bench/kernels.csv")
+    ap.add_argument("--ops", default="copy,rms_norm,qk_norm_rope,swiglu,ce_bf16,ce_fp32")
+    args = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    ops = args.ops.split(",")
+    device = torch.cuda.get_device_name()
+    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__)
+    rows = []
+
+    def write():
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+
+    copy_bw = copy_bandwidth_gbps()
+    rows.append(dict(op="copy", shape="2GiB", dtype="fp32", impl="torch_copy", ms="", eff_GBps=f"{copy_bw:.0f}",
+                     frac_of_copy_bw="1.000", speedup_vs_best_baseline="", **meta))
+    print(f"device {device}: copy bandwidth {copy_bw:.0f} GB/s")
+    write()
+    cases = {"rms_norm": case_rms_norm, "qk_norm_rope": case_qk_norm_rope, "swiglu": case_swiglu,
+             "ce_bf16": lambda: case_cross_entropy(torch.bfloat16),
+             "ce_fp32": lambda: case_cross_entropy(torch.float32)}
+    for key in ops:
+        if key == "copy":
+            continue
+        op, shape, dtype, nbytes, impls = cases[key]()
+        times = {}
+        for impl, fn in impls.items():
+            try:
+                times[impl] = _time(fn)
+            except Exception as err:  # one failing baseline must not cost the others
+                print(f"{op} {dtype} {impl}: FAILED {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
+        del impls
+        torch.cuda.empty_cache()
+        base = [ms for impl, ms in times.items() if impl != "blunb_triton"]
+        best = min(base) if base else float("nan")
+        for impl, ms in times.items():
+            gbps = nbytes / ms / 1e6
+            rows.append(dict(op=op, shape=shape, dtype=dtype, impl=impl, ms=f"{ms:.4f}", eff_GBps=f"{gbps:.0f}",
+                             frac_of_copy_bw=f"{gbps / copy_bw:.3f}", speedup_vs_best_baseline=f"{best / ms:.3f}",
+                             **meta))
+        write()
+
+    print(f"\n{'op':14s} {'dtype':5s} {'impl':14s} {'ms':>9s} {'GB/s':>6s} {'/copy':>6s} {'vs best':>7s}")
+    for r in rows[1:]:
+        print(f"{r['op']:14s} {r['dtype']:5s} {r['impl']:14s} {r['ms']:>9s} {r['eff_GBps']:>6s} "
+              f"{r['frac_of_copy_bw']:>6s} {r['speedup_vs_best_baseline']:>7s}")
+    print(f"(copy {copy_bw:.0f} GB/s; 'vs best' = best baseline's ms / this ms; written to {args.out})")
+
+
+if __name__ == "__main__":
+    main()

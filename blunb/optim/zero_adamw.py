@@ -1,0 +1,522 @@
+"""ZeRO-1 AdamW: every rank keeps the whole model, but only 1/W of the optimizer state.
+
+Layout. The parameters of one instance (one dtype) become views into a flat buffer, cut
+into buckets of ~`bucket_mb` (whole tensors, filled in backward order, so a bucket's
+gradients are complete early in the backward). Each bucket is padded to a multiple of W
+and rank r owns the r-th 1/W of every bucket; concatenated, those chunks are the rank's
+contiguous shard [r*S, (r+1)*S) of fp32 master, exp_avg and exp_avg_sq (S = padded / W).
+With one bucket this is exactly "rank r owns [r*S, (r+1)*S) of the flat buffer"; per-bucket
+chunks let every bucket be reduced the moment it is ready with a real reduce-scatter, and
+make the overlapped and the serial paths issue the SAME collectives on the same bytes, so
+their results are bit-identical by construction rather than by luck of summation order.
+
+Per step (no host sync anywhere on this path):
+  reduce   rs_ag: reduce_scatter(SUM) per bucket into the owned chunk (in place);
+           reduce_bcast: reduce(SUM) of each chunk to its owner. Serially after backward,
+           or from post-accumulate-grad hooks as buckets fill (overlap_backward).
+  measure  ||avg grad||^2 of the shard, all-reduced: per-instance or global clip stats.
+  update   torch._fused_adamw_ over the shard with grad_scale = W / clip_coef (averaging and
+           clipping folded into the kernel) and found_inf (the kernel leaves params and
+           moments untouched on an inf/NaN norm, on every rank, without a host round trip).
+  publish  master -> param dtype into the owned chunks, then all_gather (rs_ag) or
+           broadcast from the owner (reduce_bcast), per bucket; with overlap_refresh the
+           buckets are published asynchronously in forward order and waited for by forward
+           pre-hooks just before the module that reads them.
+
+Gradients live in a flat buffer too (each `p.grad` is a view into it), so backward
+accumulates straight into the reduce input. After step() the .grad values outside this
+rank's chunks are collective scratch: read gradient norms from `clip_stats`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
+
+_COLLECTIVES = ("rs_ag", "reduce_bcast")
+# torch 2.13 renamed the flat-tensor collectives; 2.11 (the GPU stack) only has the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_DTYPES = {"param": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB"
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """ZeRO-1 AdamW over parameters of ONE dtype (module docstring has the design).
+
+    Equals torch.optim.AdamW on the rank-averaged gradient, after clip_grad_norm_(params,
+    max_grad_norm) when max_grad_norm > 0; no weight decay on 1-D params when
+    exclude_1d_from_weight_decay. `stages` (needed for overlap_refresh): the model itself,
+    or a list of (module, params) in forward order whose params get installed by a forward
+    pre-hook on that module (stage 0's module should be the model root).
+    """
+
+    def __init__(self, params, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 exclude_1d_from_weight_decay=True, max_grad_norm=0.0, process_group=None,
+                 collective="rs_ag", reduce_dtype="param", overlap_backward=False,
+                 overlap_refresh=False, bucket_mb=50, stages=None):
+        if collective not in _COLLECTIVES:
+            raise ValueError(f"collective must be one of {_COLLECTIVES}, got {collective!r}")
+        if reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(_REDUCE_DTYPES)}, got {reduce_dtype!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        if len(self.param_groups) != 1:
+            raise ValueError("ShardedAdamW takes one flat list of parameters (one fused update "
+                             "over the shard); build one instance per group instead")
+        # Dedupe (tied weights appear once) while keeping the caller's order.
+        plist = list({id(p): p for p in self.param_groups[0]["params"]}.values())
+        self.param_groups[0]["params"] = plist
+        if not plist:
+            raise ValueError("ShardedAdamW got no parameters")
+        dtypes = {p.dtype for p in plist}
+        devices = {p.device for p in plist}
+        if len(dtypes) > 1:
+            raise ValueError(f"ShardedAdamW needs parameters of a single dtype, got {sorted(map(str, dtypes))}; "
+                             "use build_sharded_adamw(model) for one instance per dtype")
+        if len(devices) > 1:
+            raise ValueError(f"ShardedAdamW needs parameters on one device, got {sorted(map(str, devices))}")
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+        if self.device.type not in torch.utils._foreach_utils._get_fused_kernels_supported_devices():
+            raise ValueError(f"torch._fused_adamw_ is not available on {self.device.type}")
+
+        self.group = process_group
+        self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.collective = collective
+        self.max_grad_norm = float(max_grad_norm)
+        self.overlap_backward = overlap_backward and self.world > 1
+        self.overlap_refresh = overlap_refresh
+        self.exclude_1d = exclude_1d_from_weight_decay
+        self.red_dtype = _REDUCE_DTYPES[reduce_dtype] or self.dtype
+        self._params = plist
+
+        self._build_layout(bucket_mb)
+        self._allocate(reduce_dtype)
+        self._build_update_lists()
+
+        self.clip_stats: ClipStats | None = None
+        self._step = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._ext_coef = self._ext_found_inf = None
+        self._measured = None        # this step's ||avg grad||^2 once its grads are reduced
+        self._armed = False
+        self._grad_works: list = []
+        self._pending_publish: list = []   # per publish position: async works not yet waited for
+        self._installed = 0                # publish positions installed so far
+
+        if self.overlap_backward:
+            self._bucket_of = {id(p): b for b, idx in enumerate(self._buckets) for p in (plist[i] for i in idx)}
+            for i, p in enumerate(plist):
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+        self._stage_wait_pos = None
+        if overlap_refresh:
+            if stages is None:
+                raise ValueError("overlap_refresh=True needs stages= (the model, or a list of "
+                                 "(module, params) in forward order) so forward pre-hooks can "
+                                 "install each stage; build_sharded_adamw(model, ...) passes it")
+            self._set_stages(refresh_stages(stages) if isinstance(stages, nn.Module) else stages)
+
+    # ------------------------------------------------------------------ layout
+    def _build_layout(self, bucket_mb: float) -> None:
+        W, plist = self.world, self._params
+        cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=self.red_dtype).element_size())
+        buckets, cur, cur_n = [], [], 0
+        for i in reversed(range(len(plist))):          # backward order: grads arrive last-first
+            n = plist[i].numel()
+            if cur and cur_n + n > cap:
+                buckets.append(cur)
+                cur, cur_n = [], 0
+            cur.append(i)
+            cur_n += n
+        buckets.append(cur)
+        self._buckets = buckets
+        self._bucket_base, self._bucket_chunk, self._param_off = [], [], [0] * len(plist)
+        base = 0
+        for idx in buckets:
+            self._bucket_base.append(base)
+            off = base
+            for i in idx:
+                self._param_off[i] = off
+                off += plist[i].numel()
+            chunk = -(-(off - base) // W)
+            self._bucket_chunk.append(chunk)
+            base += chunk * W
+        self.numel = sum(p.numel() for p in plist)
+        self.padded_numel = base
+        self.shard_numel = base // W
+
+    def _bucket_view(self, flat, b):
+        return flat[self._bucket_base[b]: self._bucket_base[b] + self._bucket_chunk[b] * self.world]
+
+    def _chunk_view(self, flat, b, q):
+        c = self._bucket_chunk[b]
+        return flat[self._bucket_base[b] + q * c: self._bucket_base[b] + (q + 1) * c]
+
+    def _shard_chunk(self, shard, b):
+        start = sum(self._bucket_chunk[:b])
+        return shard[start: start + self._bucket_chunk[b]]
+
+    def _allocate(self, reduce_dtype: str) -> None:
+        dev, S, N = self.device, self.shard_numel, self.padded_numel
+        # Parameters and gradients become views of flat buffers: the all-gather writes
+        # straight into the model weights and backward accumulates straight into the
+        # reduce input, so neither needs an unsharded staging copy.
+        self._flat_param = torch.zeros(N, dtype=self.dtype, device=dev)
+        self._flat_grad = torch.zeros(N, dtype=self.dtype, device=dev)
+        self._grad_views = []
+        for p, off in zip(self._params, self._param_off):
+            n = p.numel()
+            self._flat_param[off: off + n].copy_(p.detach().reshape(-1))
+            p.data = self._flat_param[off: off + n].view_as(p)
+            self._grad_views.append(self._flat_grad[off: off + n].view_as(p))
+            p.grad = self._grad_views[-1]
+        nb = len(self._buckets)
+        # A reduce dtype other than the parameters' needs its own flat reduce buffer.
+        self._flat_red = (self._flat_grad if self.red_dtype == self.dtype
+                          else torch.zeros(N, dtype=self.red_dtype, device=dev))
+        # fp32 master + moments: the only copies of the optimizer state, shard-sized.
+        self._master = torch.empty(S, dtype=torch.float32, device=dev)
+        for b in range(nb):
+            self._shard_chunk(self._master, b).copy_(self._chunk_view(self._flat_param, b, self.rank))
+        self._exp_avg = torch.zeros(S, dtype=torch.float32, device=dev)
+        self._exp_avg_sq = torch.zeros(S, dtype=torch.float32, device=dev)
+        # The fused kernel wants fp32 gradients: a non-fp32 reduce needs an fp32 shard copy.
+        self._grad_stage = (None if self.red_dtype == torch.float32
+                            else torch.empty(S, dtype=torch.float32, device=dev))
+        default_red = self.dtype
+        extra = self._extra_bytes(self.red_dtype) - self._extra_bytes(default_red)
+        if reduce_dtype != "param" and self.red_dtype != default_red and self.rank == 0:
+            print(f"[ShardedAdamW] reduce_dtype={reduce_dtype} on the {self.dtype} group "
+                  f"({self.numel:,} params) costs {'+' if extra >= 0 else ''}{_mib(extra)} per rank "
+                  f"vs reducing in the parameter dtype")
+
+    def _extra_bytes(self, red_dtype) -> int:
+        """Staging bytes beyond the 12 B/elem state for a given reduce dtype."""
+        red = 0 if red_dtype == self.dtype else self.padded_numel * torch.empty((), dtype=red_dtype).element_size()
+        stage = 0 if red_dtype == torch.float32 else 4 * self.shard_numel
+        return red + stage
+
+    def _build_update_lists(self) -> None:
+        """Views for the fused update: runs of the shard with one weight-decay class.
+
+        A run never crosses a bucket chunk (the gradient views are per chunk) and padding
+        joins whichever run it sits in (it stays zero: zero grad, zero weight).
+        """
+        r, W = self.rank, self.world
+        red_chunks = [self._chunk_view(self._flat_red, b, r) for b in range(len(self._buckets))]
+        lists = {True: ([], [], [], []), False: ([], [], [], [])}  # master, grad, exp_avg, exp_avg_sq
+        shard_start = 0
+        for b, idx in enumerate(self._buckets):
+            c = self._bucket_chunk[b]
+            lo = self._bucket_base[b] + r * c           # owned flat range [lo, lo + c)
+            marks = []                                   # (offset within chunk, decays?)
+            for i in idx:
+                p0, p1 = self._param_off[i], self._param_off[i] + self._params[i].numel()
+                if p1 > lo and p0 < lo + c:
+                    decays = not (self.exclude_1d and self._params[i].ndim < 2)
+                    marks.append((max(p0, lo) - lo, decays))
+            marks.sort()
+            runs = []                                    # the first mark is at offset 0
+            for off, decays in marks or [(0, False)]:
+                if not runs or runs[-1][1] != decays:
+                    runs.append((off, decays))
+            for k, (off, decays) in enumerate(runs):
+                end = runs[k + 1][0] if k + 1 < len(runs) else c
+                a, z = shard_start + off, shard_start + end
+                m, g, ea, es = lists[decays]
+                m.append(self._master[a:z])
+                g.append(self._grad_stage[a:z] if self._grad_stage is not None else red_chunks[b][off:end])
+                ea.append(self._exp_avg[a:z])
+                es.append(self._exp_avg_sq[a:z])
+            shard_start += c
+        self._update_lists = {k: v for k, v in lists.items() if v[0]}
+        self._red_chunks = red_chunks
+        if self._grad_stage is not None:
+            self._stage_chunks = [self._shard_chunk(self._grad_stage, b) for b in range(len(self._buckets))]
+        self._shard_grad_chunks = self._stage_chunks if self._grad_stage is not None else red_chunks
+        self._param_chunks = [self._chunk_view(self._flat_param, b, r) for b in range(len(self._buckets))]
+        self._master_chunks = [self._shard_chunk(self._master, b) for b in range(len(self._buckets))]
+
+    # ------------------------------------------------------------ collectives
+    def _reduce_bucket(self, b: int) -> list:
+        if self._flat_red is not self._flat_grad:
+            self._bucket_view(self._flat_red, b).copy_(self._bucket_view(self._flat_grad, b))
+        if self.collective == "rs_ag":
+            return [_reduce_scatter(self._red_chunks[b], self._bucket_view(self._flat_red, b),
+                                    group=self.group, async_op=True)]
+        return [dist.reduce(self._chunk_view(self._flat_red, b, q), group_dst=q, group=self.group, async_op=True)
+                for q in range(self.world)]
+
+    def _publish_bucket(self, b: int) -> list:
+        if self.collective == "rs_ag":
+            return [_all_gather(self._bucket_view(self._flat_param, b), self._param_chunks[b],
+                               group=self.group, async_op=True)]
+        return [dist.broadcast(self._chunk_view(self._flat_param, b, q), group_src=q, group=self.group,
+                               async_op=True)
+                for q in range(self.world)]
+
+    def _adopt_grads(self) -> None:
+        """Put any .grad that was replaced (set to None, reassigned) back into the flat buffer."""
+        for p, v in zip(self._params, self._grad_views):
+            if p.grad is not v:
+                if p.grad is None:
+                    v.zero_()
+                else:
+                    v.copy_(p.grad)
+                p.grad = v
+
+    # --------------------------------------------------------- overlap_backward
+    def arm_grad_sync(self) -> None:
+        """Call before the LAST micro-step's backward: buckets reduce as they fill."""
+        if self.overlap_backward:
+            self._drain_grad_works()
+            self._armed = True
+            self._missing = [len(idx) for idx in self._buckets]
+            self._next_bucket = 0
+
+    def _make_grad_hook(self, i: int):
+        b = self._bucket_of[id(self._params[i])]
+
+        def hook(p):
+            if not self._armed:
+                return
+            if p.grad is not self._grad_views[i]:
+                self._grad_views[i].copy_(p.grad)
+                p.grad = self._grad_views[i]
+            self._missing[b] -= 1
+            # Launch strictly in bucket order so every rank issues the same sequence.
+            while self._next_bucket < len(self._buckets) and self._missing[self._next_bucket] == 0:
+                self._grad_works += self._reduce_bucket(self._next_bucket)
+                self._next_bucket += 1
+        return hook
+
+    def _drain_grad_works(self) -> None:
+        for w in self._grad_works:
+            w.wait()
+        self._grad_works = []
+
+    # ----------------------------------------------------------------- reduce
+    @torch.no_grad()
+    def reduce_and_measure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reduce this step's gradients into the shard; return (||g||^2, covered ||g||^2).
+
+        Squared L2 norms of the rank-AVERAGED gradient over all of this instance's params,
+        as 0-dim fp32 device tensors identical on every rank (all of them are covered by
+        AdamW's clip). The following step() does not reduce again.
+        """
+        if self._measured is not None:
+            return self._measured, self._measured
+        self.drain_refresh()
+        self._adopt_grads()
+        if self.world > 1:
+            start = self._next_bucket if self._armed else 0
+            for b in range(start, len(self._buckets)):     # buckets the hooks did not launch
+                self._grad_works += self._reduce_bucket(b)
+            self._armed = False
+            self._drain_grad_works()
+        elif self._flat_red is not self._flat_grad:
+            self._flat_red.copy_(self._flat_grad)
+        if self._grad_stage is not None:
+            torch._foreach_copy_(self._stage_chunks, self._red_chunks)
+        norms = torch._foreach_norm(self._shard_grad_chunks)
+        sq = torch.stack(norms).float().square().sum() / self.world**2
+        if self.world > 1:
+            dist.all_reduce(sq, group=self.group)
+        self._measured = sq
+        return sq, sq
+
+    def clip_covered_numel(self) -> int:
+        return self.numel
+
+    def total_numel(self) -> int:
+        return self.numel
+
+    def set_external_clip_coef(self, coef, found_inf=None) -> None:
+        """Global clip (phase 2): use `coef` instead of this instance's own coefficient on
+        the next step; `found_inf` (the global verdict) skips the step as well as this
+        instance's own non-finite norm does. None restores per-instance clipping."""
+        self._ext_coef, self._ext_found_inf = coef, found_inf
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedAdamW.step does not take a closure")
+        sq, _ = self.reduce_and_measure()
+        if self._ext_coef is None:
+            self.clip_stats = clip_stats_from_sq_norm(sq, self.max_grad_norm)
+        else:
+            found = ~torch.isfinite(sq)
+            if self._ext_found_inf is not None:
+                found = found | self._ext_found_inf
+            coef = torch.where(found, torch.ones_like(sq), torch.as_tensor(self._ext_coef, dtype=torch.float32,
+                                                                           device=self.device))
+            self.clip_stats = ClipStats(total_norm=sq.sqrt(), clip_coef=coef, clipped=(coef < 1) & ~found,
+                                        found_inf=found)
+        found_inf = self.clip_stats.found_inf.float()
+        self._step += 1.0 - found_inf
+        self._skipped += self.clip_stats.found_inf.long()
+        grad_scale = self.world / self.clip_stats.clip_coef       # kernel divides: g * coef / W
+        g = self.param_groups[0]
+        for decays, (master, grads, m, v) in self._update_lists.items():
+            torch._fused_adamw_(master, grads, m, v, [], [self._step] * len(master), lr=g["lr"],
+                                beta1=g["betas"][0], beta2=g["betas"][1],
+                                weight_decay=g["weight_decay"] if decays else 0.0, eps=g["eps"],
+                                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        self._publish()
+        self._measured = None
+        self._ext_coef = self._ext_found_inf = None
+
+    def _publish(self) -> None:
+        torch._foreach_copy_(self._param_chunks, self._master_chunks)
+        if self.world == 1:
+            return
+        order = self._publish_order if self.overlap_refresh else range(len(self._buckets))
+        works = [self._publish_bucket(b) for b in order]
+        if self.overlap_refresh:
+            self._pending_publish, self._installed = works, 0
+        else:
+            for ws in works:
+                for w in ws:
+                    w.wait()
+
+    # ---------------------------------------------------------- overlap_refresh
+    def _set_stages(self, stages) -> None:
+        stage_of = {}
+        for s, (_, ps) in enumerate(stages):
+            for p in ps:
+                stage_of.setdefault(id(p), s)
+        # A parameter no stage names is installed with stage 0: always correct, just not overlapped.
+        first_stage = [min(stage_of.get(id(self._params[i]), 0) for i in idx) for idx in self._buckets]
+        self._publish_order = sorted(range(len(self._buckets)), key=lambda b: first_stage[b])
+        pos = {b: k for k, b in enumerate(self._publish_order)}
+        need = [0] * len(stages)
+        for b, idx in enumerate(self._buckets):
+            for i in idx:
+                s = stage_of.get(id(self._params[i]), 0)
+                need[s] = max(need[s], pos[b] + 1)
+        for s in range(1, len(stages)):         # a stage also waits for everything before it
+            need[s] = max(need[s], need[s - 1])
+        self._stage_wait_pos = need
+        for s, (module, _) in enumerate(stages):
+            module.register_forward_pre_hook(lambda *_, s=s: self._install(self._stage_wait_pos[s]))
+
+    def _install(self, upto: int) -> None:
+        while self._installed < min(upto, len(self._pending_publish)):
+            for w in self._pending_publish[self._installed]:
+                w.wait()
+            self._installed += 1
+
+    def drain_refresh(self) -> None:
+        """Install every parameter still in flight (before validation, checkpoint or exit)."""
+        self._install(len(self._pending_publish))
+        self._pending_publish, self._installed = [], 0
+
+    # ------------------------------------------------------------------ misc
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffer; .grad stays a view into it (set_to_none is ignored)."""
+        self._flat_grad.zero_()
+        self._adopt_grads()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for an inf/NaN gradient norm (reading it syncs; for logging)."""
+        return int(self._skipped)
+
+    def state_bytes(self) -> int:
+        """Optimizer bytes held on this rank: 12 B x shard (fp32 master, exp_avg, exp_avg_sq)
+        + 4 B x shard fp32 gradient staging when the reduce dtype is not fp32
+        + a flat reduce buffer (padded x reduce element size) when it differs from the param dtype."""
+        return 12 * self.shard_numel + self._extra_bytes(self.red_dtype)
+
+    @torch.no_grad()
+    def replica_checksum(self) -> torch.Tensor:
+        """Position-weighted int64 hash of the parameter bits; equal on all ranks iff the
+        replicas are (barring collisions) bit-identical. Installs pending refreshes first."""
+        self.drain_refresh()
+        int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self._flat_param.element_size()]
+        bits = self._flat_param.view(int_dtype)
+        total = torch.zeros((), dtype=torch.int64, device=self.device)
+        step = 1 << 22    # bounded temporary for the weights
+        for a in range(0, bits.numel(), step):
+            w = torch.arange(a, min(a + step, bits.numel()), device=self.device) % 8191 + 1
+            total += (bits[a: a + step].long() * w).sum()
+        return total
+
+
+def refresh_stages(model: nn.Module) -> list[tuple[nn.Module, list]]:
+    """Refresh stages in consumption order for an embedding -> layers -> head model.
+
+    Stage 0 (installed by a pre-hook on the model itself, before anything runs) holds every
+    parameter registered before the first non-empty nn.ModuleList (the embedding); then one
+    stage per layer; parameters registered after the layers (final norm, untied head) ride
+    with the last layer, whose pre-hook fires before they are read. Tied weights stay in
+    the stage of their first registration. No ModuleList: a single stage 0.
+    """
+    layers = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
+    if layers is None:
+        return [(model, list(model.parameters()))]
+    in_layers = {id(p) for p in layers.parameters()}
+    before, after, seen_layers = [], [], False
+    for p in model.parameters():
+        if id(p) in in_layers:
+            seen_layers = True
+        else:
+            (after if seen_layers else before).append(p)
+    stages = [(model, before)] + [(layer, list(layer.parameters())) for layer in layers]
+    stages[-1][1].extend(after)
+    return stages
+
+
+def build_sharded_adamw(model: nn.Module, **kw) -> list[ShardedAdamW]:
+    """One ShardedAdamW per parameter dtype, ordered by size with the LARGEST LAST.
+
+    That is the seed's step order: the biggest group's publish is issued last, so no other
+    group's collective queues behind it (head-of-line blocking would eat the overlap).
+    With overlap_refresh=True the stages are derived from the model (refresh_stages).
+    """
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    if kw.get("overlap_refresh"):
+        kw.setdefault("stages", refresh_stages(model))
+    groups = sorted(by_dtype.values(), key=lambda ps: sum(p.numel() for p in ps))
+    return [ShardedAdamW(ps, **kw) for ps in groups]
+
+
+def global_clip(optimizers, max_norm: float, strict: bool = False) -> ClipStats:
+    """Two-phase clip over disjoint optimizer groups with ONE coefficient.
+
+    Phase 1 reduces every group and sums the squared norms; phase 2 hands each group the
+    coefficient (its next step() uses it and does not reduce again). The coefficient comes
+    from the norm of the gradients it actually scales (`covered`: groups that withhold the
+    clip, like Muon's orthogonalized matrices, are left out) unless strict=True, which uses
+    the full norm. The reported total_norm is always the full norm. Any non-finite group
+    norm skips the step in every group. Sync-free: everything stays on the device.
+    """
+    sq_total = sq_covered = 0.0
+    for opt in optimizers:
+        t, c = opt.reduce_and_measure()
+        sq_total, sq_covered = t + sq_total, c + sq_covered
+    full = clip_stats_from_sq_norm(sq_total, max_norm)
+    coef = full.clip_coef if strict else clip_stats_from_sq_norm(torch.as_tensor(sq_covered), max_norm).clip_coef
+    coef = torch.where(full.found_inf, torch.ones_like(coef), coef)
+    for opt in optimizers:
+        opt.set_external_clip_coef(coef, full.found_inf)
+    return ClipStats(total_norm=full.total_norm, clip_coef=coef, clipped=(coef < 1) & ~full.found_inf,
+                     found_inf=full.found_inf)

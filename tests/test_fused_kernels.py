@@ -1,0 +1,137 @@
+"""Fused Triton kernels vs reference.py under the Triton interpreter (CPU, CI).
+
+Fresh random inputs each run, forward and backward (torch.autograd.grad against the
+reference's autograd), odd shapes: rows not a multiple of the block, head_dim 64 and
+128, GQA ratios 1/3/8, V not a multiple of the block, ignored and all-ignored rows.
+Only fp32 and fp16: the interpreter computes bf16 arithmetic wrongly (bf16 runs on
+the GPU, tests/test_fused_kernels_gpu.py). The kernels upcast right after each load,
+so fp16 here only exercises the loads/stores.
+
+Tolerances: fp32 kernels and reference do the same fp32 math in a different reduction
+order, ~1e-6 relative apart, so 1e-5 abs/rel (1e-4 for the gamma/weight gradients,
+sums over all rows). fp16 outputs are rounded once from fp32: one fp16 ulp is 2^-10
+~ 1e-3 relative, so 2e-3 abs/rel (1e-2 for gradients summed over rows).
+Interpreter runs are slow per program instance: shapes are kept small.
+"""
+
+import pytest
+import torch
+
+from blunb import kernels
+from blunb.kernels import reference as ref
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL_SUM = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def _grads(out, inputs, douts):
+    return torch.autograd.grad(out, inputs, douts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 200), (2, 5, 64)])
+def test_rms_norm(shape, dtype):
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(shape[-1])).requires_grad_()  # fp32 weight, like the model's params
+    y = kernels.rms_norm(x, w, 1e-6, backend="triton")
+    y_ref = ref.rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    dy = torch.randn_like(y)
+    dx, dw = _grads(y, (x, w), dy)
+    dx_ref, dw_ref = _grads(y_ref, (x, w), dy)
+    torch.testing.assert_close(dx, dx_ref, **TOL[dtype])
+    torch.testing.assert_close(dw, dw_ref, **TOL_SUM[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swiglu(dtype):
+    gu = torch.randn(3, 7, 2 * 200, dtype=dtype, requires_grad=True)  # F=200: not a multiple of the block
+    y = kernels.swiglu(gu, backend="triton")
+    y_ref = ref.swiglu(gu)
+    assert y.shape == (3, 7, 200) and y.dtype == dtype
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    dy = torch.randn_like(y)
+    torch.testing.assert_close(_grads(y, gu, dy)[0], _grads(y_ref, gu, dy)[0], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_ignored", [0, 4, "all"])
+def test_cross_entropy(dtype, n_ignored):
+    N, V = 11, 300  # V not a multiple of the interpreter's 128-wide block
+    logits = (3 * torch.randn(N, V)).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (N,))
+    targets[: N if n_ignored == "all" else n_ignored] = -100
+    loss = kernels.cross_entropy(logits, targets, backend="triton")
+    loss_ref = ref.cross_entropy(logits, targets)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    torch.testing.assert_close(loss, loss_ref, **TOL[torch.float32])  # the loss is fp32 math for both
+    scale = 1.7  # a grad_output != 1 takes the in-place rescale path
+    g = _grads(scale * loss, logits, None)[0]
+    g_ref = _grads(scale * loss_ref, logits, None)[0]
+    torch.testing.assert_close(g, g_ref, **TOL[dtype])
+    if n_ignored == "all":
+        assert loss.item() == 0.0 and not g.any()
+
+
+def test_cross_entropy_ignore_index_and_no_grad():
+    logits = torch.randn(6, 130)
+    targets = torch.tensor([1, 5, 7, 129, 0, 3])
+    with torch.no_grad():
+        loss = kernels.cross_entropy(logits, targets, ignore_index=5, backend="triton")
+    torch.testing.assert_close(loss, ref.cross_entropy(logits, targets, ignore_index=5), **TOL[torch.float32])
+
+
+def _qk_inputs(B, Hq, Hk, T, hd, dtype, layout):
+    def make(H):
+        if layout == "bthd":  # the model's projection output viewed as [B,H,T,hd]: strided, not copied
+            return torch.randn(B, T, H * hd, dtype=dtype).view(B, T, H, hd).transpose(1, 2).requires_grad_()
+        return torch.randn(B, H, T, hd, dtype=dtype, requires_grad=True)
+
+    return make(Hq), make(Hk)
+
+
+@pytest.mark.parametrize(
+    "hd, Hq, Hk, interleaved, layout, dtype",
+    [
+        (64, 2, 2, False, "bthd", torch.float32),  # GQA 1
+        (128, 3, 1, True, "bhtd", torch.float32),  # GQA 3
+        (64, 8, 1, True, "bthd", torch.float32),  # GQA 8
+        (128, 8, 1, False, "bthd", torch.float32),
+        (64, 6, 2, False, "bhtd", torch.float16),
+    ],
+)
+def test_qk_norm_rope(hd, Hq, Hk, interleaved, layout, dtype):
+    B, T = 2, 7
+    q, k = _qk_inputs(B, Hq, Hk, T, hd, dtype, layout)
+    qg = (1 + 0.3 * torch.randn(hd)).requires_grad_()
+    kg = (1 + 0.3 * torch.randn(hd)).requires_grad_()
+    cos, sin = ref.rope_cache(T + 5, hd, 10000.0)  # a longer cache: only its first T rows are used
+    args = (qg, kg, cos, sin, 1e-6, interleaved)
+    qo, ko = kernels.qk_norm_rope(q, k, *args, backend="triton")
+    qo_ref, ko_ref = ref.qk_norm_rope(q, k, *args)
+    assert qo.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
+    torch.testing.assert_close(qo, qo_ref, **TOL[dtype])
+    torch.testing.assert_close(ko, ko_ref, **TOL[dtype])
+    dqo, dko = torch.randn_like(qo), torch.randn_like(ko)
+    got = _grads((qo, ko), (q, k, qg, kg), (dqo, dko))
+    want = _grads((qo_ref, ko_ref), (q, k, qg, kg), (dqo, dko))
+    for name, a, b in zip(("dq", "dk", "dq_gamma", "dk_gamma"), got, want, strict=True):
+        tol = TOL_SUM[dtype] if "gamma" in name else TOL[dtype]
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_qk_norm_rope_strided_grad_output():
+    """Grad outputs with a layout unlike the inputs' (e.g. from attention backward) are read via strides."""
+    B, Hq, Hk, T, hd = 1, 4, 2, 5, 64
+    q, k = _qk_inputs(B, Hq, Hk, T, hd, torch.float32, "bthd")
+    qg, kg = torch.randn(hd, requires_grad=True), torch.randn(hd, requires_grad=True)
+    cos, sin = ref.rope_cache(T, hd, 500.0)
+    qo, ko = kernels.qk_norm_rope(q, k, qg, kg, cos, sin, 1e-5, backend="triton")
+    dqo = torch.randn(B, Hq, T, hd)  # contiguous, while qo is [B,T,H,hd] in memory
+    dko = torch.randn(B, T, Hk, hd).transpose(1, 2)
+    qo_ref, ko_ref = ref.qk_norm_rope(q, k, qg, kg, cos, sin, 1e-5)
+    got = _grads((qo, ko), (q, k, qg, kg), (dqo, dko))
+    want = _grads((qo_ref, ko_ref), (q, k, qg, kg), (dqo, dko))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **TOL_SUM[torch.float32])

@@ -1,0 +1,124 @@
+"""Fused Triton kernels on a CUDA GPU, in bf16 (and fp32 for cross-entropy).
+
+Accuracy: every output and gradient is compared with a float64 evaluation of
+reference.py by ||out - ref64|| / ||ref64||. The bar is the same-dtype torch op
+(reference.py run on the bf16 inputs, whose only error is rounding to bf16 once):
+the fused kernel's error must be <= 2x that, plus 1e-4 of slack for the cases where
+the torch error is ~0 (fp32 outputs such as the loss, where only the summation order
+differs). Poisoning: the CUDA caching allocator is filled with NaN before each call,
+so the kernels' outputs (allocated with torch.empty) start as NaN; with finite
+inputs, any NaN left in a result is an element the kernel never wrote.
+"""
+
+import pytest
+import torch
+
+from blunb import kernels
+from blunb.kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _poison_allocator():
+    """Fill cached blocks of both allocator pools with NaN and free them again."""
+    big = torch.full((1 << 29,), float("nan"), device=DEV)  # 2 GiB, split for large tensors
+    small = [torch.full((1 << 16,), float("nan"), device=DEV) for _ in range(64)]  # small pool (<1 MiB)
+    del big, small
+
+
+def _rel(a, b64):
+    return ((a.double() - b64).norm() / b64.norm().clamp(min=1e-30)).item()
+
+
+def _check(name, fused, torch_same_dtype, ref64):
+    assert torch.isfinite(fused).all(), f"{name}: NaN/inf: an element was not written"
+    e_fused, e_torch = _rel(fused, ref64), _rel(torch_same_dtype, ref64)
+    assert e_fused <= 2 * e_torch + 1e-4, f"{name}: error {e_fused:.3e} vs torch {e_torch:.3e}"
+
+
+def _run(fn, inputs, douts):
+    """Outputs and input gradients of fn(*inputs) for the given output gradients."""
+    inputs = [x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    diff = [x for x in inputs if x.requires_grad]
+    grads = torch.autograd.grad(outs, diff, douts)
+    return [o.detach() for o in outs], list(grads)
+
+
+def _compare(name, fused_fn, ref_fn, inputs, douts):
+    _poison_allocator()
+    f_out, f_grads = _run(fused_fn, inputs, douts)
+    t_out, t_grads = _run(ref_fn, inputs, douts)
+    in64 = [x.double() if x.is_floating_point() else x for x in inputs]
+    d64 = None if douts is None else [d.double() for d in douts]
+    r_out, r_grads = _run(ref_fn, in64, d64)
+    for i, (f, t, r) in enumerate(zip(f_out + f_grads, t_out + t_grads, r_out + r_grads, strict=True)):
+        assert f.dtype == t.dtype and f.shape == t.shape, f"{name}[{i}]: {f.dtype}{tuple(f.shape)}"
+        _check(f"{name}[{i}]", f, t, r)
+
+
+@pytest.mark.parametrize("shape, wdtype", [((4099, 4096), torch.float32), ((3, 333, 3000), torch.bfloat16)])
+def test_rms_norm_bf16(shape, wdtype):
+    x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(shape[-1], device=DEV)).to(wdtype)
+    dy = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    assert kernels.active_backend("rms_norm", x, w, 1e-6) == "triton"
+    _compare("rms_norm", lambda a, b: kernels.rms_norm(a, b, 1e-6, backend="triton"),
+             lambda a, b: ref.rms_norm(a, b, 1e-6), [x, w], [dy])
+
+
+@pytest.mark.parametrize("shape", [(2, 1023, 2 * 2816), (5, 2 * 8192), (7, 2 * 1000)])
+def test_swiglu_bf16(shape):
+    gu = torch.randn(shape, device=DEV, dtype=torch.bfloat16) * 3
+    dy = torch.randn(*shape[:-1], shape[-1] // 2, device=DEV, dtype=torch.bfloat16)
+    _compare("swiglu", lambda a: kernels.swiglu(a, backend="triton"), ref.swiglu, [gu], [dy])
+
+
+@pytest.mark.parametrize("N, V, dtype, ignored", [
+    (1027, 50304, torch.bfloat16, 0.1),
+    (513, 32001, torch.float32, 0.3),
+    (64, 50304, torch.bfloat16, 1.0),
+])
+def test_cross_entropy(N, V, dtype, ignored):
+    logits = (4 * torch.randn(N, V, device=DEV)).to(dtype)
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[torch.rand(N, device=DEV) < ignored] = -100
+    scale = torch.tensor(0.37, device=DEV)  # grad_output != 1 exercises the in-place rescale
+    _compare("cross_entropy", lambda a, t: kernels.cross_entropy(a, t, backend="triton") * scale,
+             lambda a, t: ref.cross_entropy(a, t) * scale, [logits, targets], None)
+    if ignored == 1.0:
+        assert kernels.cross_entropy(logits, targets, backend="triton").item() == 0.0
+    with torch.no_grad():  # eval path: no gradient pass
+        loss = kernels.cross_entropy(logits, targets, backend="triton")
+        torch.testing.assert_close(loss, ref.cross_entropy(logits.double(), targets).float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("B, Hq, Hk, T, hd, interleaved, layout", [
+    (2, 16, 8, 257, 128, False, "bthd"),
+    (1, 12, 4, 130, 64, True, "bhtd"),
+    (2, 8, 1, 64, 128, True, "bthd"),
+    (1, 4, 4, 33, 64, False, "bhtd"),
+])
+def test_qk_norm_rope_bf16(B, Hq, Hk, T, hd, interleaved, layout):
+    def make(H):
+        if layout == "bthd":  # the model's projections: [B,T,H,hd] memory viewed as [B,H,T,hd]
+            return torch.randn(B, T, H * hd, device=DEV).to(torch.bfloat16).view(B, T, H, hd).transpose(1, 2)
+        return torch.randn(B, H, T, hd, device=DEV).to(torch.bfloat16)
+
+    q, k = make(Hq), make(Hk)
+    qg = 1 + 0.2 * torch.randn(hd, device=DEV)
+    kg = 1 + 0.2 * torch.randn(hd, device=DEV)
+    cos, sin = ref.rope_cache(T + 100, hd, 10000.0, device=DEV)
+    dqo = torch.randn(B, Hq, T, hd, device=DEV).to(torch.bfloat16)
+    dko = torch.randn(B, T, Hk, hd, device=DEV).to(torch.bfloat16).transpose(1, 2)
+
+    def fused(q, k, qg, kg):
+        return kernels.qk_norm_rope(q, k, qg, kg, cos, sin, 1e-6, interleaved, backend="triton")
+
+    def torch_ref(q, k, qg, kg):
+        return ref.qk_norm_rope(q, k, qg, kg, cos.to(qg.dtype), sin.to(qg.dtype), 1e-6, interleaved)
+
+    _compare("qk_norm_rope", fused, torch_ref, [q, k, qg, kg], [dqo, dko])

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from blunb.config import apply_overrides, preset
+from blunb.model import BLU
+
+
+def tiny(**overrides):
+    return apply_overrides(preset("tiny"), [f"{k}={v}" for k, v in overrides.items()]).model
+
+
+@pytest.mark.parametrize("tying", [True, False])
+def test_shapes_and_parameter_count(tying):
+    cfg = tiny(weight_tying=tying)
+    model = BLU(cfg)
+    assert model.num_params() == cfg.num_params()
+    # the formula, spelled out for the tiny config: d128 L4 Hq4 Hkv2 hd32 F352 V320
+    d, L, hd, F, V = 128, 4, 32, 352, 320
+    block = d * 4 * hd + 2 * d * 2 * hd + 4 * hd * d + 2 * hd + d * 2 * F + F * d + 2 * d
+    assert cfg.num_params() == V * d + L * block + d + (0 if tying else V * d)
+    idx = torch.randint(0, V, (3, 17))
+    logits = model(idx)
+    assert logits.shape == (3, 17, V) and logits.dtype == torch.float32
+    logits2, loss = model(idx, idx)
+    assert torch.equal(logits, logits2) and loss.shape == () and loss.dtype == torch.float32
+
+
+def test_init_statistics_and_reproducibility():
+    cfg = tiny(n_layers=8, d_model=256, head_dim=64, ffn_hidden=704)
+    model = BLU(cfg, seed=7)
+    blk = model.blocks[0]
+    assert blk.attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert blk.ffn.gate_up.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    resid_std = 0.02 / (2 * 8) ** 0.5
+    assert blk.attn.wo.weight.std().item() == pytest.approx(resid_std, rel=0.05)
+    assert blk.ffn.down.weight.std().item() == pytest.approx(resid_std, rel=0.05)
+    for p in (blk.attn_norm.weight, blk.ffn_norm.weight, blk.attn.q_gamma, blk.attn.k_gamma, model.norm_f.weight):
+        assert torch.all(p == 1.0)
+    assert blk.attn.q_gamma.dtype == torch.float32
+    same = BLU(cfg, seed=7)
+    other = BLU(cfg, seed=8)
+    for (n, a), b, c in zip(model.named_parameters(), same.parameters(), other.parameters()):
+        assert torch.equal(a, b), n
+        if a.dim() >= 2:
+            assert not torch.equal(a, c), n
+
+
+def test_causality():
+    model = BLU(tiny(), seed=1)
+    idx = torch.randint(0, 320, (2, 24))
+    changed = idx.clone()
+    changed[:, 12:] = torch.randint(0, 320, (2, 12))
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_precision_flags_move_one_stage_each():
+    idx = torch.randint(0, 320, (2, 8))
+    base = BLU(tiny(), seed=0)
+    assert base.wte.weight.dtype == torch.float32 and base(idx).dtype == torch.float32
+    logits = BLU(tiny(bf16_logits=True), seed=0)
+    _, loss = logits(idx, idx)
+    assert logits(idx).dtype == torch.bfloat16 and loss.dtype == torch.float32  # the loss never drops to bf16
+    assert BLU(tiny(bf16_embed=True), seed=0).wte.weight.dtype == torch.bfloat16
+    resid = BLU(tiny(bf16_resid=True), seed=0)
+    assert resid.blocks[0].attn_norm.weight.dtype == torch.bfloat16
+    assert resid.blocks[0].attn.q_gamma.dtype == torch.float32  # the QK island stays fp32
+    assert BLU(tiny(linear_dtype="bf16"), seed=0).blocks[0].attn.wq.weight.dtype == torch.bfloat16
+
+
+def test_overlong_sequence_is_an_error():
+    model = BLU(tiny())
+    with pytest.raises(ValueError, match="exceeds context_length"):
+        model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_backward_reaches_every_parameter():
+    model = BLU(tiny(weight_tying=False), seed=3)
+    idx = torch.randint(0, 320, (2, 16))
+    model(idx, idx)[1].backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n

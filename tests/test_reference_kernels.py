@@ -1,0 +1,75 @@
+"""The torch reference ops against torch's own functions and hand-written math."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blunb import kernels
+from blunb.kernels import reference
+
+
+def test_rms_norm_matches_torch():
+    x, w = torch.randn(5, 7, 64), torch.randn(64)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
+
+
+def test_rope_cache_values():
+    cos, sin = kernels.rope_cache(6, 8, 10000.0)
+    assert cos.shape == (6, 4) and cos.dtype == torch.float32
+    inv = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    torch.testing.assert_close(cos[3].double(), torch.cos(3 * inv), check_dtype=False)
+    torch.testing.assert_close(sin[5].double(), torch.sin(5 * inv), check_dtype=False)
+
+
+def test_rope_interleaved_is_neox_on_permuted_dims():
+    # GPT-J pairs (2i, 2i+1) == NeoX halves (i, i+hd/2) after moving even dims first.
+    hd = 16
+    q, k = torch.randn(2, 6, 5, hd), torch.randn(2, 2, 5, hd)
+    g_q, g_k = torch.rand(hd) + 0.5, torch.rand(hd) + 0.5
+    cos, sin = kernels.rope_cache(5, hd, 500000.0)
+    perm = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
+    qj, kj = kernels.qk_norm_rope(q, k, g_q, g_k, cos, sin, 1e-6, interleaved=True)
+    qn, kn = kernels.qk_norm_rope(q[..., perm], k[..., perm], g_q[perm], g_k[perm], cos, sin, 1e-6)
+    torch.testing.assert_close(qj[..., perm], qn)
+    torch.testing.assert_close(kj[..., perm], kn)
+
+
+def test_rope_preserves_norm_and_relative_position():
+    hd = 32
+    cos, sin = kernels.rope_cache(9, hd, 10000.0)
+    x = torch.randn(1, 1, 1, hd).expand(1, 1, 9, hd)
+    r = reference.apply_rope(x, cos, sin, interleaved=False)
+    torch.testing.assert_close(r.norm(dim=-1), x.norm(dim=-1))
+    # <R_m q, R_n k> depends only on m - n
+    q, k = torch.randn(hd), torch.randn(hd)
+    rq = reference.apply_rope(q.expand(9, hd), cos, sin, False)
+    rk = reference.apply_rope(k.expand(9, hd), cos, sin, False)
+    torch.testing.assert_close(rq[5] @ rk[3], rq[7] @ rk[5], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (8, 1)])
+def test_attention_reference_matches_math(hq, hkv):
+    q, k, v = torch.randn(2, hq, 11, 16), torch.randn(2, hkv, 11, 16), torch.randn(2, hkv, 11, 16)
+    torch.testing.assert_close(kernels.flash_attention(q, k, v), reference.attention_math(q, k, v),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cross_entropy_matches_torch_and_ignores():
+    logits, t = torch.randn(10, 37), torch.randint(0, 37, (10,))
+    t[3] = -100
+    torch.testing.assert_close(kernels.cross_entropy(logits, t), F.cross_entropy(logits, t))
+    all_ignored = kernels.cross_entropy(logits, torch.full((10,), -100))
+    assert all_ignored.item() == 0.0
+    assert kernels.cross_entropy(logits.bfloat16(), t).dtype == torch.float32
+
+
+def test_swiglu_and_syrk():
+    gu = torch.randn(3, 4, 10)
+    torch.testing.assert_close(kernels.swiglu(gu), F.silu(gu[..., :5]) * gu[..., 5:])
+    x = torch.randn(3, 5, 7)
+    torch.testing.assert_close(kernels.syrk(x), torch.bmm(x, x.transpose(1, 2)))
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="backend"):
+        kernels.swiglu(torch.randn(2, 4), backend="cuda")
