@@ -362,7 +362,7 @@ class ShardedMuon(torch.optim.Optimizer):
             self._own_grad = {p: self._grad(p) for p in self._owned_muon + self._owned_aux}
         elif self.collective == "rs_ag":
             self._own_grad = {}
-            for b in self._buckets:
+            for b in self._buckets:  # every bucket holds some rank's tensors, so never empty
                 torch._foreach_copy_(b.views, [self._grad(p) for p in b.params])
                 dist.reduce_scatter_tensor(b.own, b.flat, op=dist.ReduceOp.SUM, group=self.process_group)
                 b.own.mul_(1.0 / W)
@@ -497,7 +497,7 @@ class ShardedMuon(torch.optim.Optimizer):
     def _publish(self) -> None:
         """Owner's master -> every rank's parameter."""
         owned = self._owned_muon + self._owned_aux
-        if self.world == 1 or self.collective == "reduce_bcast":
+        if owned and (self.world == 1 or self.collective == "reduce_bcast"):
             torch._foreach_copy_([p.data for p in owned], [self.state[p]["master"] for p in owned])
         if self.world == 1:
             return
@@ -508,7 +508,8 @@ class ShardedMuon(torch.optim.Optimizer):
                 dist.broadcast(p.data, src=src, group=self.process_group)
             return
         for b in self._buckets:
-            torch._foreach_copy_(b.own_views, [self.state[p]["master"] for p in b.own_params])
+            if b.own_params:
+                torch._foreach_copy_(b.own_views, [self.state[p]["master"] for p in b.own_params])
             dist.all_gather_into_tensor(b.flat, b.own, group=self.process_group)
             torch._foreach_copy_([p.data for p in b.params], b.views)
 
