@@ -143,12 +143,14 @@ class MFUMeter:
 
     def summary(self) -> str:
         ss = self.steady_mfu()
+        best = self.best_mfu * 100 if self.ss_steps and self.peak_flops_per_gpu > 0 else math.nan
+        tflops = self.flops_per_token_causal * self.ss_tokens / max(self.ss_secs, 1e-12) / self.world_size / 1e12
         lines = [
             "==================== MFU summary ====================",
-            f" steady-state MFU  : {_fmt(ss * 100, '.2f')}% ({self.ss_steps} steps, first {self.warmup_steps} excluded)",
-            f" best-step MFU     : {_fmt(self.best_mfu * 100 if self.ss_steps and self.peak_flops_per_gpu > 0 else math.nan, '.2f')}%",
-            f" model TFLOP/s/gpu : {self.flops_per_token_causal * self.ss_tokens / max(self.ss_secs, 1e-12) / self.world_size / 1e12:.2f}"
-            f" of {_fmt(self.peak_flops_per_gpu / 1e12, '.1f')} peak",
+            f" steady-state MFU  : {_fmt(ss * 100, '.2f')}% ({self.ss_steps} steps, "
+            f"first {self.warmup_steps} excluded)",
+            f" best-step MFU     : {_fmt(best, '.2f')}%",
+            f" model TFLOP/s/gpu : {tflops:.2f} of {_fmt(self.peak_flops_per_gpu / 1e12, '.1f')} peak",
             f" steady tok/s      : {self.steady_tok_per_sec():.0f}",
             f" total model FLOPs : {self.flops_per_token_causal * self.ss_tokens / 1e18:.6f} EFLOP over "
             f"{self.ss_secs / 60:.3f} min",

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from blunb import kernels
 from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
-from blunb.data import ByteTokenizer, DataError, ShardLoader, corpus_meta, ensure_default_corpus, find_shards
+from blunb.data import DataError, ShardLoader, corpus_meta, ensure_default_corpus, find_shards
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim import wsd_lr

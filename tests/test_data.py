@@ -1,8 +1,16 @@
 import numpy as np
 import pytest
 
-from blunb.data import (HEADER_BYTES, MAGIC, ByteTokenizer, DataError, ShardLoader, prepare_corpus, read_header,
-                        read_shard, write_shard)
+from blunb.data import (
+    MAGIC,
+    ByteTokenizer,
+    DataError,
+    ShardLoader,
+    prepare_corpus,
+    read_header,
+    read_shard,
+    write_shard,
+)
 
 
 def test_shard_round_trip(tmp_path):
