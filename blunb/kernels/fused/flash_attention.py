@@ -34,16 +34,18 @@ LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HEAD_DIMS = (16, 32, 64, 128)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim; pruned to the tensor's hd.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim (BLOCK_M % BLOCK_N == 0); pruned to the
+# tensor's hd. Candidates around the H200 winners of a wider first sweep; bench/attention.py
+# prints the autotuner's timings.
 _FWD_GPU = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
+    64: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4)],
 }
 # (BLOCK, SUB, num_warps, num_stages): BLOCK = key rows held for dk/dv = query rows held
 # for dq; SUB = the streamed tile of the other side.
 _BWD_GPU = {
-    64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-    128: [(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+    64: [(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)],
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2)],
 }
 
 
