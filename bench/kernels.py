@@ -33,11 +33,17 @@ COLUMNS = ["op", "shape", "dtype", "impl", "ms", "eff_GBps", "frac_of_copy_bw", 
            "device", "torch", "triton"]
 DEV = "cuda"
 
-try:
-    from liger_kernel.ops import LigerCrossEntropyFunction, LigerFusedGateUpSiLUMulFunction, LigerRMSNormFunction
-except Exception as err:  # optional: only where its wheel was carried
-    print(f"Liger-Kernel not importable ({type(err).__name__}: {err}); skipping it", file=sys.stderr)
-    LigerRMSNormFunction = None
+
+
+def _liger():
+    """Liger-Kernel's ops module, or None where its wheel was not carried. Imported in main(),
+    not at module level: torch.compile's spawned workers re-import this script."""
+    try:
+        import liger_kernel.ops as liger
+    except Exception as err:
+        print(f"Liger-Kernel not importable ({type(err).__name__}: {err}); skipping it", file=sys.stderr)
+        return None
+    return liger
 
 
 def _time(fn) -> float:
@@ -68,7 +74,7 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def case_rms_norm():
+def case_rms_norm(liger):
     M, N, eps = 16384, 4096, 1e-6
     x = torch.randn(M, N, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(N, device=DEV)).to(torch.bfloat16).requires_grad_()
@@ -78,12 +84,12 @@ def case_rms_norm():
         "torch_eager": lambda x, w: ref.rms_norm(x, w, eps),
         "torch_compile": _compiled(lambda x, w: ref.rms_norm(x, w, eps)),
     }
-    if LigerRMSNormFunction is not None:
-        impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps)
+    if liger is not None:
+        impls["liger"] = lambda x, w: liger.LigerRMSNormFunction.apply(x, w, eps)
     return "rms_norm", f"{M}x{N}", "bf16", 5 * x.numel() * 2, {k: _fwd_bwd(f, [x, w], [dy]) for k, f in impls.items()}
 
 
-def case_qk_norm_rope():
+def case_qk_norm_rope(liger):  # Liger has no fused QK-norm + RoPE
     B, Hq, Hk, T, hd, eps = 8, 16, 8, 2048, 128, 1e-6
     # the model's layout: projection outputs [B,T,H*hd] viewed as [B,H,T,hd]
     q = torch.randn(B, T, Hq * hd, device=DEV, dtype=torch.bfloat16).view(B, T, Hq, hd).transpose(1, 2)
@@ -103,17 +109,17 @@ def case_qk_norm_rope():
     return "qk_norm_rope", shape, "bf16", nbytes, {k_: _fwd_bwd(f, [q, k, qg, kg], [dq, dk]) for k_, f in impls.items()}
 
 
-def case_swiglu():
+def case_swiglu(liger):
     M, F = 16384, 8192
     gu = torch.randn(M, 2 * F, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, F, device=DEV, dtype=torch.bfloat16)
     impls = {"blunb_triton": tri_swiglu, "torch_eager": ref.swiglu, "torch_compile": _compiled(ref.swiglu)}
-    if LigerRMSNormFunction is not None:  # Liger's kernel for the same fused [gate | up] layout
-        impls["liger"] = lambda gu: LigerFusedGateUpSiLUMulFunction.apply(gu)
+    if liger is not None:  # Liger's kernel for the same fused [gate | up] layout
+        impls["liger"] = lambda gu: liger.LigerFusedGateUpSiLUMulFunction.apply(gu)
     return "swiglu", f"{M}x(2x{F})", "bf16", 8 * F * M * 2, {k: _fwd_bwd(f, [gu], [dy]) for k, f in impls.items()}
 
 
-def case_cross_entropy(dtype):
+def case_cross_entropy(liger, dtype):
     N, V = 16384, 50304
     logits = (2 * torch.randn(N, V, device=DEV)).to(dtype).requires_grad_()
     targets = torch.randint(0, V, (N,), device=DEV)
@@ -122,8 +128,8 @@ def case_cross_entropy(dtype):
         "torch_eager": ref.cross_entropy,
         "torch_compile": _compiled(ref.cross_entropy),
     }
-    if LigerRMSNormFunction is not None:  # Liger writes its gradient into the logits in place
-        impls["liger"] = lambda lg, t: LigerCrossEntropyFunction.apply(lg, t, None, -100)[0]
+    if liger is not None:  # Liger writes its gradient into the logits in place
+        impls["liger"] = lambda lg, t: liger.LigerCrossEntropyFunction.apply(lg, t, None, -100)[0]
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     nbytes = 2 * logits.numel() * logits.element_size()
     runs = {k: _fwd_bwd(f, [logits, targets], None) for k, f in impls.items()}
@@ -153,12 +159,13 @@ def main():
     print(f"device {device}: copy bandwidth {copy_bw:.0f} GB/s")
     write()
     cases = {"rms_norm": case_rms_norm, "qk_norm_rope": case_qk_norm_rope, "swiglu": case_swiglu,
-             "ce_bf16": lambda: case_cross_entropy(torch.bfloat16),
-             "ce_fp32": lambda: case_cross_entropy(torch.float32)}
+             "ce_bf16": lambda lg: case_cross_entropy(lg, torch.bfloat16),
+             "ce_fp32": lambda lg: case_cross_entropy(lg, torch.float32)}
+    liger = _liger()
     for key in ops:
         if key == "copy":
             continue
-        op, shape, dtype, nbytes, impls = cases[key]()
+        op, shape, dtype, nbytes, impls = cases[key](liger)
         times = {}
         for impl, fn in impls.items():
             try:

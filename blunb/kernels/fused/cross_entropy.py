@@ -77,14 +77,13 @@ def _scale_inplace(x_ptr, s_ptr, numel, BLOCK: tl.constexpr):
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, ignore_index):
+    def forward(ctx, logits, targets, ignore_index, has_grad):
         if logits.dim() != 2:
             raise ValueError(f"cross_entropy expects logits [N, V], got {tuple(logits.shape)}")
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         N, V = logits.shape
         targets = targets.contiguous()
-        has_grad = ctx.needs_input_grad[0]
         n_valid = (targets != ignore_index).sum()
         loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if has_grad else loss_rows
@@ -102,8 +101,10 @@ class _CrossEntropy(torch.autograd.Function):
         block = 4096 if grad.is_cuda else 1024
         n_prog = max(1, min(triton.cdiv(grad.numel(), block), 8 * num_sms(grad.device)))
         _scale_inplace[(n_prog,)](grad, grad_loss.reshape(1), grad.numel(), BLOCK=block, num_warps=8)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    return _CrossEntropy.apply(logits, targets, ignore_index)
+    # decided here: inside forward() grad mode is always off and needs_input_grad ignores no_grad()
+    has_grad = logits.requires_grad and torch.is_grad_enabled()
+    return _CrossEntropy.apply(logits, targets, ignore_index, has_grad)
