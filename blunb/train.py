@@ -201,12 +201,9 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
             env["corpus"] = {"dir": str(data_dir), **meta}
             (run_dir / "env.json").write_text(json.dumps(env, indent=2))
             metrics = MetricsWriter(run_dir / "metrics.csv", ["tokens", "grad_accum"])
-        x0 = torch.zeros(1, min(cfg.T, 8), dtype=torch.long, device=device)
         log(f"blunb {cfg.preset}: {model.num_params():,} params | world {world_size} x {device} | "
             f"B {cfg.B} T {cfg.T} accum {accum} -> {tokens_per_step:,} tokens/step | optimizer {opt.label}")
-        log(f"kernels: rms_norm={kernels.active_backend('rms_norm', x0.float())} "
-            f"attention={kernels.active_backend('flash_attention', x0.float())} "
-            f"cross_entropy={kernels.active_backend('cross_entropy', x0.float())}")
+        log("kernels: " + " ".join(f"{op}={b}" for op, b in kernels.describe(device).items()))
         log(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens)")
         log(meter.banner(model.num_params(), tokens_per_step))
 

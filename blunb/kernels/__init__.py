@@ -85,6 +85,17 @@ def syrk(x, backend: str | None = None):
     return _call("syrk", backend, x)
 
 
-def active_backend(op: str, *args, backend: str | None = None) -> str:
-    """Which backend `op` would run on these arguments (for logging once at start)."""
-    return _resolve(op, backend, args[0], args)
+def describe(device) -> dict[str, str]:
+    """The backend each op will use on `device` (for the run log): torch, triton, or
+    triton-or-torch where the fused module decides per shape (its `prefer`)."""
+    forced = os.environ.get("BLUNB_KERNELS")
+    out = {}
+    for op in ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "syrk"):
+        mod = _fused(op)
+        if forced:
+            out[op] = forced if (forced == "torch" or mod is not None) else "torch (no triton kernel)"
+        elif torch.device(device).type != "cuda" or mod is None:
+            out[op] = "torch"
+        else:
+            out[op] = "triton-or-torch (per shape)" if hasattr(mod, "prefer") else "triton"
+    return out
