@@ -199,6 +199,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._skipped, self._rejected_total = zero(), zero()
         self._rejected_last, self._ratio_last = zero(), zero()
         self._clip_stats: ClipStats | None = None
+        self._zero1 = torch.zeros(1, dtype=torch.float32, device=self.device)
         if verbose and self.rank == 0:
             print(self.describe(), flush=True)
 
@@ -445,8 +446,9 @@ class ShardedMuon(torch.optim.Optimizer):
             stage = self.ns.stage(len(sg.params), sg.rows, sg.cols, self.device)
             for i, (p, tall) in enumerate(zip(sg.params, sg.tall)):
                 buf = self.state[p]["momentum_buffer"]
-                # a NaN must not reach the momentum: it would persist forever
-                g = torch.where(found_inf, 0.0, self._own_grad[p].float())
+                # a NaN must not reach the momentum: it would persist forever. A [1]-shaped fp32
+                # zero promotes a bf16 grad to fp32 in the same pass.
+                g = torch.where(found_inf, self._zero1, self._own_grad[p])
                 buf.lerp_(g, w_mom)
                 dst = stage[i].mT if tall else stage[i]
                 if group["nesterov"]:
@@ -515,14 +517,16 @@ class ShardedMuon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict) -> None:
-        """torch casts loaded state to each param's dtype; ours is fp32 by design (masters
-        of bf16 params included), so restore that, and re-share the aux step counter."""
+        """torch casts loaded state to each param's dtype, which would round the fp32
+        masters of bf16 params; ours is fp32 by design, so it is restored from the
+        incoming dict itself, and the aux step counter is shared again."""
         super().load_state_dict(state_dict)
-        for p in self._owned_muon + self._owned_aux:
-            st = self.state[p]
-            for k, t in list(st.items()):
-                if isinstance(t, torch.Tensor):
-                    st[k] = t.to(device=self.device, dtype=torch.float32)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            if i in state_dict["state"]:
+                self.state[p] = {k: v.detach().to(self.device, torch.float32, copy=True)
+                                 for k, v in state_dict["state"][i].items()}
         if self._owned_aux:
             self._aux_step = self.state[self._owned_aux[0]]["adamw_step"].reshape(())
             for p in self._owned_aux:

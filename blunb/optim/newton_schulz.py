@@ -135,7 +135,9 @@ class NewtonSchulz:
     def _capture(self, slot: _Slot) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: CUDA calls from other threads (the NCCL watchdog) must not
+            # invalidate the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self._ns(slot.stage, slot.syrk)
         except Exception as exc:  # e.g. an op that is not capturable in this build
             slot.eager_only = True

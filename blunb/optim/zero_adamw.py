@@ -30,8 +30,6 @@ rank's chunks are collective scratch: read gradient norms from `clip_stats`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -122,7 +120,6 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._bucket_of = {id(p): b for b, idx in enumerate(self._buckets) for p in (plist[i] for i in idx)}
             for i, p in enumerate(plist):
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
-        self._stage_wait_pos = None
         if overlap_refresh:
             if stages is None:
                 raise ValueError("overlap_refresh=True needs stages= (the model, or a list of "
@@ -197,9 +194,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         # The fused kernel wants fp32 gradients: a non-fp32 reduce needs an fp32 shard copy.
         self._grad_stage = (None if self.red_dtype == torch.float32
                             else torch.empty(S, dtype=torch.float32, device=dev))
-        default_red = self.dtype
-        extra = self._extra_bytes(self.red_dtype) - self._extra_bytes(default_red)
-        if reduce_dtype != "param" and self.red_dtype != default_red and self.rank == 0:
+        extra = self._extra_bytes(self.red_dtype) - self._extra_bytes(self.dtype)
+        if self.red_dtype != self.dtype and self.rank == 0:
             print(f"[ShardedAdamW] reduce_dtype={reduce_dtype} on the {self.dtype} group "
                   f"({self.numel:,} params) costs {'+' if extra >= 0 else ''}{_mib(extra)} per rank "
                   f"vs reducing in the parameter dtype")
@@ -216,7 +212,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         A run never crosses a bucket chunk (the gradient views are per chunk) and padding
         joins whichever run it sits in (it stays zero: zero grad, zero weight).
         """
-        r, W = self.rank, self.world
+        r = self.rank
         red_chunks = [self._chunk_view(self._flat_red, b, r) for b in range(len(self._buckets))]
         lists = {True: ([], [], [], []), False: ([], [], [], [])}  # master, grad, exp_avg, exp_avg_sq
         shard_start = 0

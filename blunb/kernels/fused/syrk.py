@@ -46,9 +46,11 @@ def _acc_step(acc, a_ptrs, b_ptrs, rm, rn, rk, k0, M, K, sxk, IEEE: tl.constexpr
     kmask = rk + k0 < K
     a = tl.load(a_ptrs + k0 * sxk, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
     b = tl.load(b_ptrs + k0 * sxk, mask=kmask[:, None] & (rn[None, :] < M), other=0.0)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+    if IEEE:  # fp32 inputs: full precision, not tf32
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
@@ -201,7 +203,7 @@ class _Cache:
                     json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
                 os.replace(tmp, path)
             except OSError as err:  # a read-only home must not stop training; the verdict stays in memory
-                warnings.warn(f"syrk: could not persist autotune cache to {path}: {err}")
+                warnings.warn(f"syrk: could not persist autotune cache to {path}: {err}", stacklevel=2)
 
 
 _cache = _Cache()
@@ -216,7 +218,8 @@ def _key(x: torch.Tensor, has_c: bool) -> str:
     b = x.shape[0] if x.dim() == 3 else 0
     m, k = x.shape[-2:]
     contiguous = x.stride(-1) == 1
-    return (f"{_device_name(x.device.index if x.device.index is not None else torch.cuda.current_device())}|torch{torch.__version__}|triton{triton.__version__}"
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return (f"{_device_name(index)}|torch{torch.__version__}|triton{triton.__version__}"
             f"|{str(x.dtype).removeprefix('torch.')}|b{b}|m{m}|k{k}|c{int(has_c)}|rowmajor{int(contiguous)}")
 
 
@@ -265,7 +268,7 @@ def verdict(x: torch.Tensor, has_c: bool) -> dict:
             print(f"[syrk] *** REJECTED config {cfg} for {key}: rel. error {err:.2e} vs cuBLAS "
                   f"exceeds {tol:.0e} ***", file=sys.stderr)
             continue
-        ms = gpu_time_ms(lambda: triton_syrk(xs, alpha, beta, cs, config=cfg))
+        ms = gpu_time_ms(lambda cfg=cfg: triton_syrk(xs, alpha, beta, cs, config=cfg))
         if ms < best_ms:
             best, best_ms = cfg, ms
     cublas_ms = gpu_time_ms(lambda: cublas(xs, alpha, beta, cs))

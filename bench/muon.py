@@ -1,0 +1,240 @@
+"""Muon benchmarks: Newton-Schulz engine, Triton SYRK, and the whole optimizer step.
+
+  1 GPU:   PYTHONPATH=. python3 bench/muon.py --out results/bench/muon.csv
+  2 GPUs:  PYTHONPATH=. torchrun --standalone --nproc_per_node=2 bench/muon.py --sharded --out results/bench/muon.csv
+  CPU:     PYTHONPATH=. python3 bench/muon.py --smoke --out /tmp/muon.csv   (tiny shapes: checks it runs)
+
+(a) NS5 per call, bf16, on 1024^2, 2048x8192, 3072^2, 3072x8192: eager cuBLAS vs CUDA-graph
+    replay vs graph + Triton SYRK (forced), each as host enqueue time per call (GPU kept
+    busy by a sleep kernel, so this is pure Python + launch cost) and GPU time per call
+    (kernels queued back to back behind the same sleep).
+(b) SYRK vs cuBLAS X @ X^T, X [n, n] bf16, n = 1024..8192, kernel time; the Triton number is
+    the best autotuned config (which passed the cuBLAS cross-check).
+(c) The optimizer step on the 1b preset's 96 body matrices (bf16 weights, shapes built from
+    ModelConfig): torch.optim.Muon vs ShardedMuon (eager NS, and graphs + auto SYRK) on 1 GPU,
+    fused torch AdamW for scale; with --sharded, ShardedMuon on every rank of the torchrun
+    (rows appended to the same CSV, with the ratio to the 1-GPU row when present). Step time
+    is wall-clock per step over several synchronized steps, after two warm-up steps (eager,
+    then capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from blunb.config import preset
+from blunb.optim import ShardedMuon
+from blunb.optim.newton_schulz import NewtonSchulz
+
+COLUMNS = ["section", "case", "shape", "impl", "world", "host_us_per_call", "gpu_ms", "step_ms",
+           "speedup_vs_baseline", "note", "device", "torch", "triton", "python"]
+
+
+def _env(device: torch.device) -> dict:
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": tv, "python": platform.python_version()}
+
+
+def host_and_gpu(fn, device, iters: int = 20) -> tuple[float, float]:
+    """(host µs per call, GPU ms per call). On CPU both are the wall time of a call."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        dt = (time.perf_counter() - t0) / iters
+        return dt * 1e6, dt * 1e3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if hasattr(torch.cuda, "_sleep"):  # private API: keeps the GPU busy while the host enqueues
+        torch.cuda._sleep(100_000_000)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) / iters
+    end.synchronize()
+    return host * 1e6, start.elapsed_time(end) / iters
+
+
+def bench_ns(rows, device, smoke):
+    shapes = [(64, 64), (32, 128)] if smoke else [(1024, 1024), (2048, 8192), (3072, 3072), (3072, 8192)]
+    impls = [("eager", dict(graphs=False, syrk=False))]
+    if device.type == "cuda":
+        impls += [("graph", dict(graphs=True, syrk=False)), ("graph+syrk", dict(graphs=True, syrk=True))]
+    for m, n in shapes:
+        base = None
+        for impl, kw in impls:
+            ns = NewtonSchulz(**kw)
+            stage = ns.stage(1, m, n, device)
+            stage.copy_(torch.randn(1, m, n, device=device))
+            for _ in range(3):  # eager/autotune, capture, replay
+                ns.run(stage)
+            host, gpu = host_and_gpu(lambda ns=ns, stage=stage: ns.run(stage), device)
+            base = base or gpu
+            rows.append(dict(section="ns5", case=f"{m}x{n}", shape=f"1x{m}x{n}", impl=impl, host_us_per_call=host,
+                             gpu_ms=gpu, speedup_vs_baseline=base / gpu, note="baseline: eager cuBLAS"))
+            print(f"NS5 {m}x{n} {impl:11s} host {host:8.1f} us  gpu {gpu:7.3f} ms", flush=True)
+
+
+def bench_syrk(rows, device, smoke):
+    if device.type != "cuda":
+        return  # the Triton kernel runs only under the interpreter on CPU: nothing to time
+    from blunb.kernels.fused import syrk as fused
+    for n in [1024, 2048, 4096, 8192]:
+        x = (torch.randn(n, n, device=device) / n ** 0.5).bfloat16()
+        v = fused.verdict(x, has_c=False)
+        cublas = fused.gpu_time_ms(lambda x=x: x @ x.mT)
+        if v["config"] is None:
+            tri, note = float("nan"), "no config passed the cross-check"
+        else:
+            cfg = tuple(v["config"])
+            tri = fused.gpu_time_ms(lambda x=x, cfg=cfg: fused.triton_syrk(x, config=cfg))
+            note = f"config {cfg}, verdict {v['backend']}"
+        flop = 2.0 * n ** 3
+        for impl, ms in (("cublas", cublas), ("triton_syrk", tri)):
+            rows.append(dict(section="syrk", case=f"n={n}", shape=f"{n}x{n}", impl=impl, gpu_ms=ms,
+                             speedup_vs_baseline=cublas / ms,
+                             note=f"{note}; {flop / ms / 1e9:.0f} TFLOP/s-equivalent (full GEMM flops)"))
+        print(f"SYRK n={n}: cuBLAS {cublas:.4f} ms, Triton {tri:.4f} ms -> x{cublas / tri:.2f} ({note})", flush=True)
+
+
+def body_shapes(smoke):
+    m = preset("tiny" if smoke else "1b").model
+    d, q, kv, F = m.d_model, m.q_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_hidden
+    per_layer = [(q, d), (kv, d), (kv, d), (d, q), (2 * F, d), (d, F)]  # wq wk wv wo gate_up down
+    return per_layer * m.n_layers
+
+
+def step_ms(make, device, shapes, steps):
+    """Wall ms per optimizer step (synchronized), after 2 warm-up steps."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen).mul_(0.02).to(DTYPE[device.type]))
+              for s in shapes]
+    grads = [torch.randn(s, device=device, generator=gen).to(DTYPE[device.type]) for s in shapes]
+    opt = make(params)
+    for p, g in zip(params, grads):
+        p.grad = g
+    for _ in range(2):
+        opt.step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if dist.is_initialized():
+        dist.barrier()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    del opt, params, grads
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ms
+
+
+DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+
+
+def bench_step(rows, device, smoke, world):
+    shapes = body_shapes(smoke)
+    n = sum(a * b for a, b in shapes)
+    case, steps = f"{'tiny' if smoke else '1b'} body: {len(shapes)} matrices, {n / 1e6:.0f}M params", 2 if smoke else 5
+    kw = dict(lr=8e-4, weight_decay=0.1, verbose=False)
+    impls = []
+    if world == 1:
+        impls += [("torch.optim.Muon", lambda ps: torch.optim.Muon(ps, lr=8e-4, weight_decay=0.1,
+                                                                    adjust_lr_fn="match_rms_adamw")),
+                  ("ShardedMuon eager NS", lambda ps: ShardedMuon(ps, ns_graphs=False, ns_syrk=False, **kw)),
+                  ("ShardedMuon graphs+syrk(auto)", lambda ps: ShardedMuon(ps, **kw))]
+        if device.type == "cuda":
+            impls.append(("torch.optim.AdamW fused (scale)",
+                          lambda ps: torch.optim.AdamW(ps, lr=8e-4, fused=True)))
+    else:
+        impls += [(f"ShardedMuon rs_ag x{world}", lambda ps: ShardedMuon(ps, collective="rs_ag", **kw)),
+                  (f"ShardedMuon reduce_bcast x{world}", lambda ps: ShardedMuon(ps, collective="reduce_bcast", **kw))]
+    base = None
+    for impl, make in impls:
+        ms = step_ms(make, device, shapes, steps)
+        base = base or ms
+        rows.append(dict(section="step", case=case, shape="1b body" if not smoke else "tiny body", impl=impl,
+                         world=world, step_ms=ms, speedup_vs_baseline=base / ms,
+                         note="baseline: " + impls[0][0]))
+        if (not dist.is_initialized()) or dist.get_rank() == 0:
+            print(f"step {impl:34s} {ms:8.2f} ms  (x{base / ms:.2f})", flush=True)
+
+
+def one_gpu_reference(path):
+    """The 1-GPU graphs+syrk step time from an existing CSV, for the sharded ratio."""
+    try:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                if r["section"] == "step" and r["impl"] == "ShardedMuon graphs+syrk(auto)":
+                    return float(r["step_ms"])
+    except (OSError, KeyError, ValueError):
+        pass
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/bench/muon.csv")
+    ap.add_argument("--sharded", action="store_true", help="under torchrun: the sharded optimizer step only")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (or GPU): checks the script runs")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    world, rank = 1, 0
+    if args.sharded:
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+    elif device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+
+    rows: list[dict] = []
+    t0 = time.time()
+    if args.sharded:
+        bench_step(rows, device, args.smoke, world)
+        ref = one_gpu_reference(args.out)
+        if ref is not None:
+            for r in rows:
+                r["note"] += f"; ratio to the 1-GPU graphs+syrk step ({ref:.2f} ms): {r['step_ms'] / ref:.3f}"
+    else:
+        bench_ns(rows, device, args.smoke)
+        bench_syrk(rows, device, args.smoke)
+        bench_step(rows, device, args.smoke, 1)
+
+    if rank == 0:
+        env = _env(device)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        append = args.sharded and os.path.exists(args.out)
+        with open(args.out, "a" if append else "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            if not append:
+                w.writeheader()
+            for r in rows:
+                w.writerow({"world": world, **env, **r})
+        print(f"wrote {len(rows)} rows to {args.out} in {time.time() - t0:.0f} s", file=sys.stderr)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

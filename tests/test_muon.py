@@ -1,0 +1,134 @@
+"""ShardedMuon on CPU: parity with torch.optim.Muon / AdamW at W = 1..4 (gloo, real
+multi-process torchrun; every case of a world size in one launch), plus the pieces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from blunb.optim import ShardedMuon
+from blunb.optim.muon import build_muon, lpt_partition, muon_param_groups, ns_cost
+from blunb.optim.newton_schulz import NewtonSchulz, graphs_enabled, zeropower_reference
+from tests.distributed import REPO, torchrun
+
+WORKER = REPO / "tests" / "workers" / "muon_worker.py"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_parity_owners_replicas_guard(world):
+    """Both collectives x both adjust_lr modes, fewer/more matrices than ranks, rectangular
+    both ways, aux AdamW, clip, divergence guard, non-finite skip, bf16 weights."""
+    if world == 1:  # the single-process path: no torch.distributed at all
+        from tests.workers.muon_worker import run_all
+        run_all()
+        return
+    out = torchrun(WORKER, world).stdout
+    assert out.count(f"OK W={world}") == 7, out
+
+
+def test_lpt_partition_is_balanced_and_deterministic():
+    shapes = [(2048, 2048), (1024, 2048), (1024, 2048), (2048, 2048), (11264, 2048), (2048, 5632)] * 4
+    costs = [ns_cost(s, 5) for s in shapes]
+    owners = lpt_partition(costs, 3)
+    assert owners == lpt_partition(costs, 3)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(costs)  # the LPT bound
+    assert lpt_partition(costs[:2], 4)[:2] == [0, 1]  # fewer items than ranks: distinct owners
+
+
+class _Toy(nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.wte = nn.Embedding(40, 16)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"wq": nn.Linear(16, 16, bias=False),
+                                                   "up": nn.Linear(16, 48, bias=False),
+                                                   "norm": nn.LayerNorm(16, bias=False)}) for _ in range(2))
+        self.norm_f = nn.LayerNorm(16, bias=False)
+        self.lm_head = nn.Linear(16, 40, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_seed_split_and_coverage_report(tied, capsys):
+    model = _Toy(tied)
+    muon_g, aux_g = muon_param_groups(model)
+    body = {id(b[k].weight) for b in model.blocks for k in ("wq", "up")}
+    assert {id(p) for p in muon_g["params"]} == body
+    aux_ids = {id(p) for p in aux_g["params"]}
+    assert {id(model.wte.weight), id(model.lm_head.weight), id(model.norm_f.weight)} <= aux_ids
+    assert len(aux_ids) == (4 if tied else 5)  # wte, (untied) head, norm_f, 2 block norms
+    opt = build_muon(model, lr=0.02, adamw_lr=3e-3, max_grad_norm=1.0)
+    out = capsys.readouterr().out
+    assert "APPLIES TO" in out and f"{opt.clip_covered_numel()} / {opt.total_numel()}" in out
+    assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[1]["lr"] == 3e-3
+
+
+def test_single_process_training_steps_and_state_dict_roundtrip():
+    torch.manual_seed(0)
+    model = _Toy(False).to(torch.bfloat16)
+    opt = build_muon(model, lr=0.02, adamw_lr=3e-3, max_grad_norm=1.0, verbose=False)
+    x = torch.randint(0, 40, (4, 8))
+
+    def train_step(o):
+        h = model.wte(x)
+        for b in model.blocks:
+            h = b["norm"](h + b["wq"](h))
+            h = h + b["up"](h)[..., :16]
+        loss = model.lm_head(model.norm_f(h)).float().logsumexp(-1).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+
+    for _ in range(2):
+        train_step(opt)
+    assert all(st["master"].dtype == torch.float32 for st in opt.state.values())
+    saved = copy.deepcopy(opt.state_dict())  # as if from disk: no aliasing with opt's live state
+    params_before = [p.detach().clone() for p in model.parameters()]
+    opt2 = build_muon(model, lr=0.02, adamw_lr=3e-3, max_grad_norm=1.0, verbose=False)
+    opt2.load_state_dict(saved)
+    assert all(t.dtype == torch.float32 for st in opt2.state.values() for t in st.values())
+    train_step(opt)
+    after_1 = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), params_before):
+            p.copy_(b)
+    train_step(opt2)
+    for a, b in zip(after_1, model.parameters()):
+        assert torch.equal(a, b.detach())
+    assert opt.state_bytes() > 0 and opt.skipped_steps == 0 and opt.rejected_ns_updates == 0
+    assert 0.3 < opt.ns_max_update_ratio < 1.5
+
+
+def test_ns_engine_matches_torch_muon_bitwise_on_cpu():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    torch.manual_seed(0)
+    ns = NewtonSchulz(graphs=False)
+    G = torch.randn(3, 40, 24)  # tall: batched through the transpose
+    ref = torch.stack([_zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in G])
+    assert torch.equal(ns(G), ref)
+    assert torch.equal(zeropower_reference(G[0]), ref[0])
+
+
+def test_polar_express_orthogonalizes():
+    torch.manual_seed(0)
+    sv = torch.linalg.svdvals(NewtonSchulz(coefficients="polar_express")(torch.randn(32, 64)).float())
+    assert 0.7 < float(sv.min()) and float(sv.max()) < 1.3
+
+
+def test_rejects_bad_arguments(monkeypatch):
+    p = nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError):
+        ShardedMuon([p], lr=0.1, adjust_lr="nope")
+    with pytest.raises(ValueError):
+        ShardedMuon([p], lr=0.1, collective="allreduce")
+    with pytest.raises(ValueError):
+        ShardedMuon([{"params": [nn.Parameter(torch.randn(4))], "use_muon": True}], lr=0.1)
+    with pytest.raises(ValueError):
+        NewtonSchulz(coefficients=(1.0, 2.0))
+    monkeypatch.setenv("BLUNB_NS_GRAPHS", "0")
+    assert not graphs_enabled() and not NewtonSchulz().graphs

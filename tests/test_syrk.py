@@ -1,0 +1,47 @@
+"""Triton SYRK under the interpreter (fp32, odd sizes) vs the torch reference; the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blunb import kernels
+from blunb.kernels import reference
+from blunb.kernels.fused import syrk as fused
+
+
+@pytest.mark.parametrize("shape", [(33, 70), (70, 33), (3, 50, 17), (1, 5, 3)])
+def test_syrk_matches_reference(shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    out = kernels.syrk(x, backend="triton")
+    torch.testing.assert_close(out, reference.syrk(x), rtol=1e-5, atol=1e-5)
+
+
+def test_syrk_epilogue_and_mirror():
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 23)  # 40 rows: two 32-row tiles, so one mirrored off-diagonal tile
+    c = x @ x.mT                # symmetric, as the epilogue requires
+    out = fused.triton_syrk(x, 2.0315, -4.775, c)
+    torch.testing.assert_close(out, 2.0315 * (x @ x.mT) - 4.775 * c, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[:, 32:, :32], out[:, :32, 32:].mT)  # the mirrored tile is an exact copy
+
+
+def test_dispatch_on_cpu_uses_torch():
+    x = torch.randn(4, 6)
+    assert torch.equal(kernels.syrk(x), x @ x.mT)  # backend=None on CPU: the torch reference
+    assert not fused.prefer(x)
+
+
+def test_verdict_cache_is_versioned_and_persisted(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLUNB_CACHE_DIR", str(tmp_path))
+    cache = fused._Cache()
+    cache.put("dev|b0|m8|k8", {"backend": "cublas", "config": None, "triton_ms": None, "cublas_ms": 1.0})
+    path = tmp_path / f"syrk_autotune_v{fused.CACHE_VERSION}.json"
+    data = json.loads(path.read_text())
+    assert data["version"] == fused.CACHE_VERSION and data["entries"]["dev|b0|m8|k8"]["backend"] == "cublas"
+    assert fused._Cache().get("dev|b0|m8|k8")["cublas_ms"] == 1.0
+    path.write_text(json.dumps({"version": fused.CACHE_VERSION - 1, "entries": {"dev|b0|m8|k8": {}}}))
+    assert fused._Cache().get("dev|b0|m8|k8") is None  # an older generation is never reused
