@@ -79,12 +79,22 @@ class TrainConfig:
     warmup_steps: int = 200
     stable_steps: int = 1400
     max_steps: int = 2000
-    optimizer: str = "adamw"        # "adamw" | "muon"
+    optimizer: str = "adamw"        # "adamw" (ZeRO-1) | "muon" (ZeRO-1 Muon + AdamW) | "ddp_adamw" (torch)
     muon_lr: float = 8e-4
     muon_min_lr: float = 8e-5
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
     muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"  # or "original"
+    # ZeRO-1 switches (the seed's A/B flags)
+    collective: str = "rs_ag"       # "rs_ag" | "reduce_bcast"
+    reduce_dtype: str = "param"     # "param" | "fp32" | "bf16"
+    overlap_backward: bool = False  # reduce gradient buckets from autograd hooks during backward
+    overlap_refresh: bool = False   # publish updated params in stages, installed by forward pre-hooks
+    bucket_mb: float = 50.0
+    global_clip: bool = False       # one clip coefficient across groups (two-phase)
+    global_clip_strict: bool = False  # derive it from the full norm, not the covered part
+    diag: bool = False              # check replicas are bit-identical at every validation
     val_freq: int = 250
     val_loss_steps: int = 20
     seed: int = 1337
@@ -112,8 +122,13 @@ class TrainConfig:
         if self.warmup_steps + self.stable_steps >= self.max_steps:
             raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
                               f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
-        if self.optimizer not in ("adamw", "muon"):
-            raise ConfigError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        choices = {"optimizer": ("adamw", "muon", "ddp_adamw"), "collective": ("rs_ag", "reduce_bcast"),
+                   "reduce_dtype": ("param", "fp32", "bf16"), "muon_adjust_lr": ("match_rms_adamw", "original")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.kernels not in ("auto", "torch", "triton"):

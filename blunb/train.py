@@ -18,7 +18,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
 from blunb.data import DataError, ShardLoader, corpus_meta, ensure_default_corpus, find_shards
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
-from blunb.optim import wsd_lr
+from blunb.optim.build import build_optimizers, check_replicas
 from blunb.runs import MetricsWriter, environment
 
 
@@ -89,51 +88,6 @@ def _all_reduce_mean(t: torch.Tensor, world_size: int) -> torch.Tensor:
     return t
 
 
-class AdamWDDP:
-    """torch DDP + AdamW (fused on CUDA), no weight decay on 1-D params, clip_grad_norm_."""
-
-    label = "ddp-adamw"
-
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
-        self.model = model
-        self.module = model
-        if world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,
-                                     fused=device.type == "cuda")
-        self.cfg = cfg
-        self.params = list(model.parameters())
-
-    def micro_step_context(self, last: bool):
-        return nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-
-    def set_lr(self, step: int) -> dict:
-        c = self.cfg
-        lr = wsd_lr(step, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps, c.stable_steps)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        return {"lr": lr}
-
-    def step(self) -> dict:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else
-                                              float("inf"))
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": norm}
-
-
-def build_optimizer(model, cfg: TrainConfig, device, world_size: int):
-    if cfg.optimizer == "muon":
-        raise ConfigError("optimizer=muon needs ShardedMuon, which this build does not have yet")
-    return AdamWDDP(model, cfg, device, world_size)
-
-
 @torch.no_grad()
 def evaluate(model, loader: ShardLoader, steps: int, device, world_size: int) -> float:
     model.eval()
@@ -189,7 +143,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
         val_loader = ShardLoader(find_shards(data_dir, "val"), cfg.B, cfg.T, rank, world_size)
 
         model = BLU(cfg.model, device=device, seed=cfg.seed)
-        opt = build_optimizer(model, cfg, device, world_size)
+        opt = build_optimizers(model, cfg, device, world_size)
         accum = cfg.grad_accum_steps(world_size)
         tokens_per_step = cfg.B * cfg.T * accum * world_size
         meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
@@ -200,54 +154,72 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
             env = environment(world_size, device)
             env["corpus"] = {"dir": str(data_dir), **meta}
             (run_dir / "env.json").write_text(json.dumps(env, indent=2))
-            metrics = MetricsWriter(run_dir / "metrics.csv", ["tokens", "grad_accum"])
+            metrics = MetricsWriter(run_dir / "metrics.csv", ["tokens", "grad_accum", "skipped", "lr_muon",
+                                                               "nsratio", "group_norms"])
         log(f"blunb {cfg.preset}: {model.num_params():,} params | world {world_size} x {device} | "
-            f"B {cfg.B} T {cfg.T} accum {accum} -> {tokens_per_step:,} tokens/step | optimizer {opt.label}")
+            f"B {cfg.B} T {cfg.T} accum {accum} -> {tokens_per_step:,} tokens/step")
+        log(opt.describe())
         log("kernels: " + " ".join(f"{op}={b}" for op, b in kernels.describe(device).items()))
         log(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens)")
         log(meter.banner(model.num_params(), tokens_per_step))
 
         start = time.perf_counter()
         last_val = None
+        skipped_total = 0
         for step in range(cfg.max_steps):
             last_step = step == cfg.max_steps - 1
+            val_this_step = None
             if step % cfg.val_freq == 0 or last_step:
-                last_val = evaluate(model, val_loader, cfg.val_loss_steps, device, world_size)
-                val_this_step = last_val
-            else:
-                val_this_step = None
+                opt.drain()  # install any staged parameter refresh before reading the weights
+                last_val = val_this_step = evaluate(model, val_loader, cfg.val_loss_steps, device, world_size)
+                if cfg.diag:
+                    log(f"[diag] replicas bit-identical: {check_replicas(opt, world_size)}")
             t0 = time.perf_counter()
             lrs = opt.set_lr(step)
             loss_accum = torch.zeros((), device=device)
             for micro in range(accum):
                 x, y = train_loader.next_batch()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with opt.micro_step_context(last=micro == accum - 1):
-                    _, loss = opt.model(x, y)
+                with opt.micro_step(last=micro == accum - 1):
+                    _, loss = opt.forward_model(x, y)
                     (loss / accum).backward()
                 loss_accum += loss.detach().float() / accum
             stats = opt.step()
             train_loss = float(_all_reduce_mean(loss_accum, world_size))
-            grad_norm = float(stats["grad_norm"])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             meter.observe(dt, tokens_per_step)
+            skipped_total += stats["skipped"]
+            groups = stats.get("group_norms", {})
             row = {"step": step, "train_loss": train_loss, "val_loss": val_this_step,
-                   "tok_per_sec": tokens_per_step / dt, "grad_norm": grad_norm, "dt_ms": dt * 1e3,
+                   "tok_per_sec": tokens_per_step / dt, "grad_norm": stats["grad_norm"], "dt_ms": dt * 1e3,
                    "lr": lrs["lr"], "elapsed_min": (time.perf_counter() - start) / 60,
                    "mfu": meter.mfu(dt, tokens_per_step), "mfu_palm": meter.mfu_palm(dt, tokens_per_step),
                    "tflops_per_gpu": meter.tflops_per_gpu(dt, tokens_per_step),
-                   "tokens": (step + 1) * tokens_per_step, "grad_accum": accum}
+                   "tokens": (step + 1) * tokens_per_step, "grad_accum": accum, "skipped": stats["skipped"],
+                   "lr_muon": lrs.get("lr_muon"), "nsratio": stats.get("nsratio"),
+                   "group_norms": " ".join(f"{k}={v:.4g}" for k, v in groups.items()) or None}
             if metrics:
                 metrics.write(row)
             val_txt = f"{last_val:.6f}" if last_val is not None else "n/a"
             mfu_txt = "n/a" if math.isnan(row["mfu"]) else f"{row['mfu'] * 100:.2f}%"
-            log(f"step {step:6d} | train {train_loss:.6f} | val {val_txt} | tok/s {row['tok_per_sec']:.2f} | "
-                f"norm {grad_norm:.4f} | dt {dt * 1e3:.2f} ms | mfu {mfu_txt} | "
-                f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
+            line = (f"step {step:6d} | train {train_loss:.6f} | val {val_txt} | tok/s {row['tok_per_sec']:.2f} | "
+                    f"norm {stats['grad_norm']:.4f} | dt {dt * 1e3:.2f} ms | mfu {mfu_txt} | "
+                    f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
+            line += "".join(f" | {k} {v:.4f}" for k, v in groups.items())
+            if "global_clip" in stats:
+                line += f" | globalclip {stats['global_clip']:.4f}"
+            if "nsrej" in stats:
+                line += f" | nsrej {stats['nsrej'][0]}/{stats['nsrej'][1]} | nsratio {stats['nsratio']:.3f}"
+            if stats["skipped"]:
+                line += f" | SKIPPED (non-finite gradient norm; {skipped_total} so far)"
+            log(line)
             if not math.isfinite(train_loss):
                 raise TrainingError(f"non-finite training loss ({train_loss}) at step {step}; stopping the run")
+        opt.drain()
+        if skipped_total:
+            log(f"{skipped_total} step(s) skipped for a non-finite gradient norm")
         log()
         log(meter.summary())
         log("=== Training complete ===")
@@ -265,7 +237,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     ap.add_argument("--preset", default="tiny", help="tiny | 124m | 1b | seed-4b")
     ap.add_argument("--max-steps", type=int, help="steps to run; rescales the WSD schedule like BLU_MAX_STEPS")
     ap.add_argument("--run-dir", help="run folder (default: results/adhoc/<preset>-<time>)")
-    ap.add_argument("--optimizer", choices=["adamw", "muon"])
+    ap.add_argument("--optimizer", choices=["adamw", "muon", "ddp_adamw"],
+                    help="adamw: ZeRO-1 ShardedAdamW (default); muon: ShardedMuon body + ShardedAdamW rest; "
+                         "ddp_adamw: torch DDP + AdamW baseline")
     ap.add_argument("--data", help="folder of *train*.bin / *val*.bin shards (default: the embedded corpus)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override any TrainConfig / ModelConfig field (repeatable)")

@@ -194,7 +194,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._buckets = self._build_buckets(target_buckets) if collective == "rs_ag" and self.world > 1 else []
         self._own_grad: dict[torch.Tensor, torch.Tensor] = {}
         self._reduced = False
-        self._external_coef = None
+        self._external_coef = self._external_found_inf = None
         zero = lambda: torch.zeros((), dtype=torch.float32, device=self.device)  # noqa: E731
         self._skipped, self._rejected_total = zero(), zero()
         self._rejected_last, self._ratio_last = zero(), zero()
@@ -298,10 +298,11 @@ class ShardedMuon(torch.optim.Optimizer):
     def total_numel(self) -> int:
         return sum(p.numel() for p in self._muon_params + self._aux_params)
 
-    def set_external_clip_coef(self, coef) -> None:
+    def set_external_clip_coef(self, coef, found_inf=None) -> None:
         """Use `coef` (float or 0-dim tensor) instead of our own clip coefficient for the
-        next step only (a global clip across optimizers); None clears it."""
-        self._external_coef = coef
+        next step only (a global clip across optimizers); None clears it. `found_inf` (a
+        0-dim bool tensor): another group's norm is non-finite, so this step is skipped too."""
+        self._external_coef, self._external_found_inf = coef, found_inf
 
     def arm_grad_sync(self) -> None:
         """No-op: the gradient reduction runs after backward (no backward overlap here)."""
@@ -400,6 +401,8 @@ class ShardedMuon(torch.optim.Optimizer):
         covered = clip_stats_from_sq_norm(self._sq_covered, self.max_grad_norm)
         total_norm = self._sq_total.sqrt()
         found_inf = ~torch.isfinite(total_norm) | covered.found_inf
+        if self._external_found_inf is not None:
+            found_inf = found_inf | self._external_found_inf.to(self.device)
         coef = covered.clip_coef
         if self._external_coef is not None:
             ext = self._external_coef
@@ -420,7 +423,7 @@ class ShardedMuon(torch.optim.Optimizer):
             self.reduce_and_measure()
         self._reduced = False
         stats = self._clip_stats = self._make_clip_stats()
-        self._external_coef = None
+        self._external_coef = self._external_found_inf = None
         self._skipped += stats.found_inf.float()
         rejected, ratio = self._muon_step(stats.found_inf)
         self._aux_adamw_step(stats.clip_coef, stats.found_inf)
