@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
             env["corpus"] = {"dir": str(data_dir), **meta}
             (run_dir / "env.json").write_text(json.dumps(env, indent=2))
             metrics = MetricsWriter(run_dir / "metrics.csv", ["tokens", "grad_accum", "skipped", "lr_muon",
-                                                               "nsratio", "group_norms"])
+                                                               "nsratio", "group_norms", "peak_mem_gib"])
         log(f"blunb {cfg.preset}: {model.num_params():,} params | world {world_size} x {device} | "
             f"B {cfg.B} T {cfg.T} accum {accum} -> {tokens_per_step:,} tokens/step")
         log(opt.describe())
@@ -199,7 +199,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
                    "tflops_per_gpu": meter.tflops_per_gpu(dt, tokens_per_step),
                    "tokens": (step + 1) * tokens_per_step, "grad_accum": accum, "skipped": stats["skipped"],
                    "lr_muon": lrs.get("lr_muon"), "nsratio": stats.get("nsratio"),
-                   "group_norms": " ".join(f"{k}={v:.4g}" for k, v in groups.items()) or None}
+                   "group_norms": " ".join(f"{k}={v:.4g}" for k, v in groups.items()) or None,
+                   "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
             if metrics:
                 metrics.write(row)
             val_txt = f"{last_val:.6f}" if last_val is not None else "n/a"

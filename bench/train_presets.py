@@ -1,0 +1,73 @@
+"""Train a preset under several settings in one go and tabulate throughput, MFU and memory.
+
+    PYTHONPATH=. python3 bench/train_presets.py --preset 1b --steps 15 --nproc 1 \
+        --variant adamw-torch-kernels optimizer=adamw kernels=torch \
+        --variant adamw-fused-kernels optimizer=adamw kernels=auto --out results/bench/train_1b.csv
+
+Each variant is a real `blunb.train` run (under torchrun when --nproc > 1) writing its own
+run folder; steady-state figures drop the first --warmup steps (total tokens / total time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from blunb.launch import torchrun_command
+from blunb.runs import load_run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--set", dest="common", action="append", default=[], help="override for every variant")
+    ap.add_argument("--variant", nargs="+", action="append", required=True, metavar=("NAME", "KEY=VALUE"))
+    ap.add_argument("--runs-dir", default="/tmp/blunb_bench_runs")
+    ap.add_argument("--out", default="results/bench/train_presets.csv")
+    args = ap.parse_args()
+
+    rows = []
+    for name, *overrides in args.variant:
+        run_dir = Path(args.runs_dir) / f"{args.preset}-w{args.nproc}-{name}"
+        train_args = ["--preset", args.preset, "--max-steps", str(args.steps), "--run-dir", str(run_dir),
+                      "--overwrite"] + [a for kv in args.common + overrides for a in ("--set", kv)]
+        cmd = torchrun_command(train_args, args.nproc) if args.nproc > 1 else \
+            [sys.executable, "-m", "blunb.train", *train_args]
+        print(f"=== {name}: {' '.join(train_args)}", flush=True)
+        proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if proc.returncode != 0:
+            rows.append({"variant": name, "status": f"failed ({proc.returncode})"})
+            continue
+        run = load_run(run_dir)
+        m = run.metrics
+        steady = m[m["step"] >= args.warmup]
+        secs = steady["dt_ms"].sum() / 1e3
+        tokens = len(steady) * run.config["global_batch"]
+        rows.append({
+            "variant": name, "status": "ok", "preset": args.preset, "nproc": args.nproc,
+            "optimizer": run.config["optimizer"], "kernels": run.config["kernels"],
+            "global_batch": run.config["global_batch"], "steps": len(m), "steady_steps": len(steady),
+            "steady_ms_per_step": 1e3 * secs / len(steady), "steady_tok_per_sec": tokens / secs,
+            "steady_mfu": (steady["mfu"] * steady["dt_ms"]).sum(min_count=1) / steady["dt_ms"].sum(),
+            "best_mfu": steady["mfu"].max(), "first_loss": m["train_loss"].iloc[0],
+            "final_loss": m["train_loss"].iloc[-1], "peak_mem_gib": m["peak_mem_gib"].max(),
+            "device": run.env["device"], "torch": run.env["torch"], "triton": run.env["triton"],
+            "overrides": " ".join(args.common + overrides),
+        })
+        print(pd.DataFrame(rows[-1:]).T.to_string(header=False), flush=True)
+    table = pd.DataFrame(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    print(table.to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
