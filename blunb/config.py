@@ -95,6 +95,7 @@ class TrainConfig:
     global_clip: bool = False       # one clip coefficient across groups (two-phase)
     global_clip_strict: bool = False  # derive it from the full norm, not the covered part
     diag: bool = False              # check replicas are bit-identical at every validation
+    max_consecutive_skips: int = 20  # stop the run after this many skipped (non-finite) steps in a row
     val_freq: int = 250
     val_loss_steps: int = 20
     seed: int = 1337

@@ -165,7 +165,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
 
         start = time.perf_counter()
         last_val = None
-        skipped_total = 0
+        skipped_total = skipped_run = 0
         for step in range(cfg.max_steps):
             last_step = step == cfg.max_steps - 1
             val_this_step = None
@@ -191,6 +191,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
             dt = time.perf_counter() - t0
             meter.observe(dt, tokens_per_step)
             skipped_total += stats["skipped"]
+            skipped_run = skipped_run + 1 if stats["skipped"] else 0
             groups = stats.get("group_norms", {})
             row = {"step": step, "train_loss": train_loss, "val_loss": val_this_step,
                    "tok_per_sec": tokens_per_step / dt, "grad_norm": stats["grad_norm"], "dt_ms": dt * 1e3,
@@ -218,7 +219,12 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
             log(line)
             if not math.isfinite(train_loss):
                 raise TrainingError(f"non-finite training loss ({train_loss}) at step {step}; stopping the run")
+            if skipped_run >= cfg.max_consecutive_skips:
+                raise TrainingError(f"the gradient norm was non-finite for {skipped_run} steps in a row (through "
+                                    f"step {step}); stopping the run (max_consecutive_skips)")
         opt.drain()
+        if cfg.diag:
+            log(f"[diag] replicas bit-identical after the last step: {check_replicas(opt, world_size)}")
         if skipped_total:
             log(f"{skipped_total} step(s) skipped for a non-finite gradient norm")
         log()

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -55,14 +56,41 @@ def test_single_process_matches_two_rank_step_zero(tmp_path):
     assert w1["val_loss"][0] == pytest.approx(w2["val_loss"][0], rel=1e-5)
 
 
-def test_non_finite_loss_stops_with_the_step(tmp_path):
-    run_dir = tmp_path / "nan"
+def test_diverging_run_skips_steps_then_stops(tmp_path):
+    """lr 1e30 blows the weights up: every later gradient is non-finite, each step is skipped on
+    every rank (parameters untouched), and the run stops after max_consecutive_skips."""
+    run_dir = tmp_path / "diverge"
     proc = _torchrun_train(2, "--preset", "tiny", "--max-steps", "20", "--run-dir", str(run_dir),
-                           "--set", "max_lr=1e30", "--set", "grad_clip=0", check=False)
+                           "--set", "max_lr=1e30", "--set", "grad_clip=0", "--set", "max_consecutive_skips=3",
+                           check=False)
     assert proc.returncode != 0
-    assert "non-finite training loss" in proc.stderr and "at step" in proc.stderr
+    assert "non-finite for 3 steps in a row (through step 3)" in proc.stderr
     m = pd.read_csv(run_dir / "metrics.csv")
-    assert not math.isfinite(m["train_loss"].iloc[-1])  # the failing step's row was written
+    assert list(m["skipped"]) == [0, 1, 1, 1]
+    assert m["train_loss"].iloc[1] == m["train_loss"].iloc[3]  # skipped steps left the weights alone
+
+
+def test_non_finite_loss_stops_with_the_step(tmp_path, monkeypatch):
+    import blunb.train as train_mod
+    from blunb.config import preset
+
+    calls = {"n": 0}
+
+    class PoisonedAtStep2(train_mod.BLU):
+        def forward(self, idx, targets=None):
+            logits, loss = super().forward(idx, targets)
+            if self.training:
+                calls["n"] += 1
+            return logits, loss * float("nan") if calls["n"] > 2 * accum else loss
+
+    cfg = preset("tiny")
+    cfg.rescale_schedule(6)
+    accum = cfg.grad_accum_steps(1)
+    monkeypatch.setattr(train_mod, "BLU", PoisonedAtStep2)
+    with pytest.raises(train_mod.TrainingError, match="non-finite training loss .* at step 2"):
+        train_mod.train(cfg, tmp_path / "nan")
+    m = pd.read_csv(tmp_path / "nan" / "metrics.csv")
+    assert len(m) == 3 and not math.isfinite(m["train_loss"].iloc[-1])  # the failing step's row was written
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
@@ -82,3 +110,31 @@ def test_config_json_round_trips(tmp_path):
 
     cfg = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
     assert cfg.max_lr == 2e-3 and cfg.max_steps == 3
+
+
+def test_zero1_adamw_matches_torch_ddp_adamw(tmp_path):
+    """The default ZeRO-1 ShardedAdamW path and torch DDP + AdamW train the same trajectory."""
+    common = ["--preset", "tiny", "--max-steps", "5", "--set", "diag=true", "--set", "val_freq=2"]
+    zero = _torchrun_train(2, *common, "--run-dir", str(tmp_path / "zero"), "--optimizer", "adamw",
+                           "--set", "overlap_backward=true", "--set", "overlap_refresh=true")
+    _torchrun_train(2, *common, "--run-dir", str(tmp_path / "ddp"), "--optimizer", "ddp_adamw")
+    assert "ZeRO-1 adamw-fp32 over 2 rank(s)" in zero.stdout
+    # validation at steps 0, 2, 4 and once after the last step
+    assert len(re.findall(r"bit-identical[^:\n]*: True", zero.stdout)) == 4 and "False" not in zero.stdout
+    z = pd.read_csv(tmp_path / "zero" / "metrics.csv")
+    d = pd.read_csv(tmp_path / "ddp" / "metrics.csv")
+    assert z["train_loss"].tolist() == pytest.approx(d["train_loss"].tolist(), rel=2e-5)
+    assert z["grad_norm"].tolist() == pytest.approx(d["grad_norm"].tolist(), rel=2e-4)
+
+
+def test_muon_run_trains_with_whole_matrix_owners(tmp_path):
+    proc = _torchrun_train(2, "--preset", "tiny", "--max-steps", "12", "--run-dir", str(tmp_path / "muon"),
+                           "--optimizer", "muon", "--set", "diag=true", "--set", "global_clip=true")
+    out = proc.stdout
+    assert "G1 muon: 737,280 params" in out and "covers 42,368 / 779,648 params (5.43%)" in out
+    assert "WARNING: the clip leaves 94.57%" in out
+    assert "replicas bit-identical: True" in out and "bit-identical: False" not in out
+    assert "nsrej 0/0" in out and "globalclip" in out
+    m = pd.read_csv(tmp_path / "muon" / "metrics.csv")
+    assert m["train_loss"].iloc[-3:].mean() < m["train_loss"].iloc[:3].mean() - 0.5
+    assert m["nsratio"].between(0.5, 1.5).all() and m["lr_muon"].notna().all()
