@@ -5,9 +5,12 @@ Run on a CUDA GPU:  PYTHONPATH=. python3 bench/kernels.py [--out results/bench/k
 Every impl of an op gets the same fresh random inputs and one output gradient, and is
 timed as forward + torch.autograd.grad (no .grad accumulation) with
 triton.testing.do_bench (median, after warm-up; autotuning and compilation happen
-in an untimed first call). Effective bandwidth uses the minimum byte counts of the
-issue: RMSNorm 5 passes over x, SwiGLU 8*F elements per row, cross-entropy 2 passes
-over the logits, QK-norm+RoPE 4 passes over q+k. The device's copy bandwidth
+in an untimed first call): `ms` is forward+backward, `fwd_ms` the forward alone (with
+autograd recording) and `bwd_ms` the backward alone (repeated on one retained graph).
+Effective bandwidth (of `ms`) uses the minimum byte counts of the issue: RMSNorm 5
+passes over x, SwiGLU 8*F elements per row, cross-entropy 2 passes over the logits,
+QK-norm+RoPE 4 passes over q+k. RMSNorm also runs torch's built-in fused
+F.rms_norm as a baseline. The device's copy bandwidth
 (read + write of a 2 GiB device-to-device copy) is measured in the same run.
 The CSV is rewritten after every op, so a cut-short run keeps what it measured.
 """
@@ -20,6 +23,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
@@ -29,8 +33,8 @@ from blunb.kernels.fused.qk_norm_rope import qk_norm_rope as tri_qk
 from blunb.kernels.fused.rms_norm import rms_norm as tri_rms
 from blunb.kernels.fused.swiglu import swiglu as tri_swiglu
 
-COLUMNS = ["op", "shape", "dtype", "impl", "ms", "eff_GBps", "frac_of_copy_bw", "speedup_vs_best_baseline",
-           "device", "torch", "triton"]
+COLUMNS = ["op", "shape", "dtype", "impl", "ms", "fwd_ms", "bwd_ms", "eff_GBps", "frac_of_copy_bw",
+           "speedup_vs_best_baseline", "device", "torch", "triton"]
 DEV = "cuda"
 
 
@@ -49,7 +53,7 @@ def _liger():
 def _time(fn) -> float:
     fn()  # autotune / compile outside the timing
     torch.cuda.synchronize()
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def copy_bandwidth_gbps() -> float:
@@ -59,18 +63,29 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-def _fwd_bwd(fn, inputs, douts):
-    """A closure running fn(*inputs) and the gradients of its outputs w.r.t. the float inputs."""
-    diff = [x for x in inputs if x.requires_grad]
+class _Case:
+    """fn(*inputs) with the gradients of its outputs w.r.t. the float inputs, timed three ways."""
 
-    def run():
-        outs = fn(*inputs)
-        torch.autograd.grad(outs, diff, douts)
+    def __init__(self, fn, inputs, douts):
+        self.fn, self.inputs, self.douts = fn, inputs, douts
+        self.diff = [x for x in inputs if x.requires_grad]
 
-    return run
+    def times(self) -> tuple[float, float, float]:
+        """(fwd+bwd, fwd, bwd) ms; a split that cannot be timed (e.g. no retained graph) is NaN."""
+        both = _time(lambda: torch.autograd.grad(self.fn(*self.inputs), self.diff, self.douts))
+        try:
+            fwd = _time(lambda: self.fn(*self.inputs))
+            outs = self.fn(*self.inputs)
+            bwd = _time(lambda: torch.autograd.grad(outs, self.diff, self.douts, retain_graph=True))
+        except Exception as err:
+            print(f"fwd/bwd split not timed: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
+            fwd = bwd = float("nan")
+        return both, fwd, bwd
 
 
 def _compiled(fn):
+    # donated buffers (a memory saving) forbid the retained graph that times backward alone
+    torch._functorch.config.donated_buffer = False
     return torch.compile(fn, dynamic=False)
 
 
@@ -83,10 +98,11 @@ def case_rms_norm(liger):
         "blunb_triton": lambda x, w: tri_rms(x, w, eps),
         "torch_eager": lambda x, w: ref.rms_norm(x, w, eps),
         "torch_compile": _compiled(lambda x, w: ref.rms_norm(x, w, eps)),
+        "torch_F_rms_norm": lambda x, w: F.rms_norm(x, (N,), w, eps),  # torch's own fused CUDA kernel
     }
     if liger is not None:
         impls["liger"] = lambda x, w: liger.LigerRMSNormFunction.apply(x, w, eps)
-    return "rms_norm", f"{M}x{N}", "bf16", 5 * x.numel() * 2, {k: _fwd_bwd(f, [x, w], [dy]) for k, f in impls.items()}
+    return "rms_norm", f"{M}x{N}", "bf16", 5 * x.numel() * 2, {k: _Case(f, [x, w], [dy]) for k, f in impls.items()}
 
 
 def case_qk_norm_rope(liger):  # Liger has no fused QK-norm + RoPE
@@ -106,7 +122,7 @@ def case_qk_norm_rope(liger):  # Liger has no fused QK-norm + RoPE
     }
     nbytes = 4 * (q.numel() + k.numel()) * 2
     shape = f"B{B} Hq{Hq} Hkv{Hk} T{T} hd{hd}"
-    return "qk_norm_rope", shape, "bf16", nbytes, {k_: _fwd_bwd(f, [q, k, qg, kg], [dq, dk]) for k_, f in impls.items()}
+    return "qk_norm_rope", shape, "bf16", nbytes, {k_: _Case(f, [q, k, qg, kg], [dq, dk]) for k_, f in impls.items()}
 
 
 def case_swiglu(liger):
@@ -116,7 +132,7 @@ def case_swiglu(liger):
     impls = {"blunb_triton": tri_swiglu, "torch_eager": ref.swiglu, "torch_compile": _compiled(ref.swiglu)}
     if liger is not None:  # Liger's kernel for the same fused [gate | up] layout
         impls["liger"] = lambda gu: liger.LigerFusedGateUpSiLUMulFunction.apply(gu)
-    return "swiglu", f"{M}x(2x{F})", "bf16", 8 * F * M * 2, {k: _fwd_bwd(f, [gu], [dy]) for k, f in impls.items()}
+    return "swiglu", f"{M}x(2x{F})", "bf16", 8 * F * M * 2, {k: _Case(f, [gu], [dy]) for k, f in impls.items()}
 
 
 def case_cross_entropy(liger, dtype):
@@ -132,7 +148,7 @@ def case_cross_entropy(liger, dtype):
         impls["liger"] = lambda lg, t: liger.LigerCrossEntropyFunction.apply(lg, t, None, -100)[0]
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     nbytes = 2 * logits.numel() * logits.element_size()
-    runs = {k: _fwd_bwd(f, [logits, targets], None) for k, f in impls.items()}
+    runs = {k: _Case(f, [logits, targets], None) for k, f in impls.items()}
     return "cross_entropy", f"{N}x{V}", name, nbytes, runs
 
 
@@ -154,8 +170,8 @@ def main():
             w.writerows(rows)
 
     copy_bw = copy_bandwidth_gbps()
-    rows.append(dict(op="copy", shape="2GiB", dtype="fp32", impl="torch_copy", ms="", eff_GBps=f"{copy_bw:.0f}",
-                     frac_of_copy_bw="1.000", speedup_vs_best_baseline="", **meta))
+    rows.append(dict(op="copy", shape="2GiB", dtype="fp32", impl="torch_copy", ms="", fwd_ms="", bwd_ms="",
+                     eff_GBps=f"{copy_bw:.0f}", frac_of_copy_bw="1.000", speedup_vs_best_baseline="", **meta))
     print(f"device {device}: copy bandwidth {copy_bw:.0f} GB/s")
     write()
     cases = {"rms_norm": case_rms_norm, "qk_norm_rope": case_qk_norm_rope, "swiglu": case_swiglu,
@@ -167,26 +183,28 @@ def main():
             continue
         op, shape, dtype, nbytes, impls = cases[key](liger)
         times = {}
-        for impl, fn in impls.items():
+        for impl, case in impls.items():
             try:
-                times[impl] = _time(fn)
+                times[impl] = case.times()
             except Exception as err:  # one failing baseline must not cost the others
                 print(f"{op} {dtype} {impl}: FAILED {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
         del impls
         torch.cuda.empty_cache()
-        base = [ms for impl, ms in times.items() if impl != "blunb_triton"]
+        base = [t[0] for impl, t in times.items() if impl != "blunb_triton"]
         best = min(base) if base else float("nan")
-        for impl, ms in times.items():
+        for impl, (ms, fwd_ms, bwd_ms) in times.items():
             gbps = nbytes / ms / 1e6
-            rows.append(dict(op=op, shape=shape, dtype=dtype, impl=impl, ms=f"{ms:.4f}", eff_GBps=f"{gbps:.0f}",
+            rows.append(dict(op=op, shape=shape, dtype=dtype, impl=impl, ms=f"{ms:.4f}", fwd_ms=f"{fwd_ms:.4f}",
+                             bwd_ms=f"{bwd_ms:.4f}", eff_GBps=f"{gbps:.0f}",
                              frac_of_copy_bw=f"{gbps / copy_bw:.3f}", speedup_vs_best_baseline=f"{best / ms:.3f}",
                              **meta))
         write()
 
-    print(f"\n{'op':14s} {'dtype':5s} {'impl':14s} {'ms':>9s} {'GB/s':>6s} {'/copy':>6s} {'vs best':>7s}")
+    print(f"\n{'op':14s} {'dtype':5s} {'impl':16s} {'ms':>8s} {'fwd_ms':>8s} {'bwd_ms':>8s} {'GB/s':>6s} "
+          f"{'/copy':>6s} {'vs best':>7s}")
     for r in rows[1:]:
-        print(f"{r['op']:14s} {r['dtype']:5s} {r['impl']:14s} {r['ms']:>9s} {r['eff_GBps']:>6s} "
-              f"{r['frac_of_copy_bw']:>6s} {r['speedup_vs_best_baseline']:>7s}")
+        print(f"{r['op']:14s} {r['dtype']:5s} {r['impl']:16s} {r['ms']:>8s} {r['fwd_ms']:>8s} {r['bwd_ms']:>8s} "
+              f"{r['eff_GBps']:>6s} {r['frac_of_copy_bw']:>6s} {r['speedup_vs_best_baseline']:>7s}")
     print(f"(copy {copy_bw:.0f} GB/s; 'vs best' = best baseline's ms / this ms; written to {args.out})")
 
 

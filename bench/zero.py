@@ -48,9 +48,17 @@ VARIANTS = {
 W1_VARIANTS = {"fused_adamw_w1": ("single", {}), "blunb_w1": ("blunb", {})}
 
 
-def adamw_groups(model):
-    return [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": WD},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+def adamw_groups(params):
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def by_dtype(model):
+    groups: dict = {}
+    for p in model.parameters():
+        groups.setdefault(p.dtype, []).append(p)
+    return list(groups.values())
 
 
 def tensor_bytes(state: dict) -> int:
@@ -64,21 +72,25 @@ def build(kind, opts, model, device, group, bucket_mb):
                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
     if kind in ("ddp", "single", "torch_zero"):
         net = model if kind == "single" else DDP(model, **ddp_kw)
-        if kind == "torch_zero":
-            opt = ZeroRedundancyOptimizer(adamw_groups(model), optimizer_class=torch.optim.AdamW, process_group=group,
-                                          lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+        if kind == "torch_zero":  # it takes one dtype per instance: one per dtype group, like blunb
+            optims = [ZeroRedundancyOptimizer(adamw_groups(ps), optimizer_class=torch.optim.AdamW,
+                                              process_group=group, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+                      for ps in by_dtype(model)]
+            inner = [o.optim for o in optims]
         else:
-            opt = torch.optim.AdamW(adamw_groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+            optims = inner = [torch.optim.AdamW(adamw_groups(list(model.parameters())), lr=LR, betas=(0.9, 0.95),
+                                                eps=1e-8, fused=fused)]
 
         def step(x, y):
-            opt.zero_grad(set_to_none=True)
+            for o in optims:
+                o.zero_grad(set_to_none=True)
             _, loss = net(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
+            for o in optims:
+                o.step()
             return loss
-        inner = opt.optim if kind == "torch_zero" else opt
-        return step, lambda: tensor_bytes(inner.state), lambda: None
+        return step, lambda: sum(tensor_bytes(o.state) for o in inner), lambda: None
 
     opts_ = build_sharded_adamw(model, lr=LR, weight_decay=WD, max_grad_norm=CLIP, process_group=group,
                                 bucket_mb=bucket_mb, **opts)

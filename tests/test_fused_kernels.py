@@ -121,6 +121,25 @@ def test_qk_norm_rope(hd, Hq, Hk, interleaved, layout, dtype):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_qk_norm_rope_many_chunks():
+    """Several position tiles and backward chunks per batch row, the last ones partly past T."""
+    B, Hq, Hk, T, hd = 2, 2, 1, 13, 64
+    q, k = _qk_inputs(B, Hq, Hk, T, hd, torch.float32, "bthd")
+    qg = (1 + 0.3 * torch.randn(hd)).requires_grad_()
+    kg = (1 + 0.3 * torch.randn(hd)).requires_grad_()
+    cos, sin = ref.rope_cache(T, hd, 10000.0)
+    args = (qg, kg, cos, sin, 1e-6, False)
+    out = kernels.qk_norm_rope(q, k, *args, backend="triton")
+    out_ref = ref.qk_norm_rope(q, k, *args)
+    for a, b in zip(out, out_ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    douts = [torch.randn_like(o) for o in out]
+    got = _grads(out, (q, k, qg, kg), douts)
+    want = _grads(out_ref, (q, k, qg, kg), douts)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, **(TOL_SUM if i >= 2 else TOL)[torch.float32])
+
+
 def test_qk_norm_rope_strided_grad_output():
     """Grad outputs with a layout unlike the inputs' (e.g. from attention backward) are read via strides."""
     B, Hq, Hk, T, hd = 1, 4, 2, 5, 64
