@@ -69,7 +69,6 @@ def test_rms_norm_bf16(shape, wdtype):
     x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
     w = (1 + 0.2 * torch.randn(shape[-1], device=DEV)).to(wdtype)
     dy = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
-    assert kernels.describe(x.device)["rms_norm"] == "triton"  # the auto backend on CUDA
     _compare("rms_norm", lambda a, b: kernels.rms_norm(a, b, 1e-6, backend="triton"),
              lambda a, b: ref.rms_norm(a, b, 1e-6), [x, w], [dy])
 
