@@ -39,7 +39,7 @@ def main() -> None:
         run_dir = Path(args.runs_dir) / f"{args.preset}-w{args.nproc}-{name}"
         train_args = ["--preset", args.preset, "--max-steps", str(args.steps), "--run-dir", str(run_dir),
                       "--overwrite"] + [a for kv in args.common + overrides for a in ("--set", kv)]
-        cmd = torchrun_command(train_args, args.nproc) if args.nproc > 1 else \
+        cmd = torchrun_command(["-m", "blunb.train", *train_args], args.nproc) if args.nproc > 1 else \
             [sys.executable, "-m", "blunb.train", *train_args]
         print(f"=== {name}: {' '.join(train_args)}", flush=True)
         proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

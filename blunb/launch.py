@@ -26,11 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(train_args: list[str], nproc: int) -> list[str]:
+def torchrun_command(target: list[str], nproc: int) -> list[str]:
+    """torchrun on `nproc` local ranks with a free rendezvous port; `target` is a script and its
+    arguments, or ["-m", module, ...]."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "blunb.train", *train_args]
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", *target]
 
 
 def launch(train_args: list[str], nproc: int = 1, env: dict | None = None, echo: bool = True,
@@ -40,7 +42,7 @@ def launch(train_args: list[str], nproc: int = 1, env: dict | None = None, echo:
     On a non-zero exit, raise LaunchError with the last `tail_lines` lines (the failing
     rank's traceback is among them). Ctrl-C / a notebook interrupt kills every rank.
     """
-    cmd = torchrun_command(train_args, nproc)
+    cmd = torchrun_command(["-m", "blunb.train", *train_args], nproc)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     repo = str(Path(__file__).resolve().parent.parent)

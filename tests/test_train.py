@@ -10,15 +10,15 @@ import sys
 import pandas as pd
 import pytest
 
+from blunb.launch import torchrun_command
 from blunb.runs import METRIC_COLUMNS, load_run
-from tests.distributed import REPO, free_port
+from tests.distributed import REPO
 
 pytestmark = pytest.mark.slow
 
 
 def _torchrun_train(nproc, *args, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "blunb.train", *args]
+    cmd = torchrun_command(["-m", "blunb.train", *args], nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     if check and proc.returncode != 0:
