@@ -82,13 +82,18 @@ def test_cross_entropy_ignore_index_and_no_grad():
     torch.testing.assert_close(loss, ref.cross_entropy(logits, targets, ignore_index=5), **TOL[torch.float32])
 
 
-def _qk_inputs(B, Hq, Hk, T, hd, dtype, layout):
-    def make(H):
-        if layout == "bthd":  # the model's projection output viewed as [B,H,T,hd]: strided, not copied
-            return torch.randn(B, T, H * hd, dtype=dtype).view(B, T, H, hd).transpose(1, 2).requires_grad_()
-        return torch.randn(B, H, T, hd, dtype=dtype, requires_grad=True)
+def _qk_tensor(B, H, T, hd, dtype, layout):
+    if layout == "bthd":  # the model's projection output viewed as [B,H,T,hd]: strided, not copied
+        return torch.randn(B, T, H * hd, dtype=dtype).view(B, T, H, hd).transpose(1, 2).requires_grad_()
+    if layout == "sliced":  # a slice of a fused projection: not dense (the wrapper copies it)
+        x = torch.randn(B, T, (H + 1) * hd, dtype=dtype)[..., :H * hd]
+        return x.view(B, T, H, hd).transpose(1, 2).requires_grad_()
+    return torch.randn(B, H, T, hd, dtype=dtype, requires_grad=True)  # "bhtd": contiguous
 
-    return make(Hq), make(Hk)
+
+def _qk_inputs(B, Hq, Hk, T, hd, dtype, layout):
+    q_layout, k_layout = ("bthd", "bhtd") if layout == "mixed" else (layout, layout)
+    return _qk_tensor(B, Hq, T, hd, dtype, q_layout), _qk_tensor(B, Hk, T, hd, dtype, k_layout)
 
 
 @pytest.mark.parametrize(
@@ -99,6 +104,12 @@ def _qk_inputs(B, Hq, Hk, T, hd, dtype, layout):
         (64, 8, 1, True, "bthd", torch.float32),  # GQA 8
         (128, 8, 1, False, "bthd", torch.float32),
         (64, 6, 2, False, "bhtd", torch.float16),
+        (128, 2, 2, True, "bthd", torch.float32),  # GQA 1, GPT-J, the model's layout
+        (64, 3, 1, False, "bhtd", torch.float32),  # GQA 3, NeoX, contiguous
+        (128, 8, 1, True, "bhtd", torch.float16),  # GQA 8, GPT-J, contiguous
+        (64, 6, 2, True, "mixed", torch.float32),  # q [B,T,H,hd] memory, k contiguous [B,H,T,hd]
+        (80, 4, 2, False, "sliced", torch.float32),  # non-dense inputs; hd/2 not a power of two
+        (80, 2, 1, True, "bthd", torch.float32),
     ],
 )
 def test_qk_norm_rope(hd, Hq, Hk, interleaved, layout, dtype):
@@ -111,6 +122,8 @@ def test_qk_norm_rope(hd, Hq, Hk, interleaved, layout, dtype):
     qo, ko = kernels.qk_norm_rope(q, k, *args, backend="triton")
     qo_ref, ko_ref = ref.qk_norm_rope(q, k, *args)
     assert qo.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
+    if layout != "sliced":  # dense inputs go through in their own memory layout
+        assert qo.stride() == q.stride() and ko.stride() == k.stride()
     torch.testing.assert_close(qo, qo_ref, **TOL[dtype])
     torch.testing.assert_close(ko, ko_ref, **TOL[dtype])
     dqo, dko = torch.randn_like(qo), torch.randn_like(ko)
@@ -121,14 +134,16 @@ def test_qk_norm_rope(hd, Hq, Hk, interleaved, layout, dtype):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_qk_norm_rope_many_chunks():
-    """Several position tiles and backward chunks per batch row, the last ones partly past T."""
-    B, Hq, Hk, T, hd = 2, 2, 1, 13, 64
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_qk_norm_rope_many_chunks(interleaved):
+    """Many row tiles: backward programs walk several tiles, the last run ends mid-tile, and
+    some k programs get no rows at all (q and k get the same number of backward programs)."""
+    B, Hq, Hk, T, hd = 2, 8, 1, 13, 64
     q, k = _qk_inputs(B, Hq, Hk, T, hd, torch.float32, "bthd")
     qg = (1 + 0.3 * torch.randn(hd)).requires_grad_()
     kg = (1 + 0.3 * torch.randn(hd)).requires_grad_()
     cos, sin = ref.rope_cache(T, hd, 10000.0)
-    args = (qg, kg, cos, sin, 1e-6, False)
+    args = (qg, kg, cos, sin, 1e-6, interleaved)
     out = kernels.qk_norm_rope(q, k, *args, backend="triton")
     out_ref = ref.qk_norm_rope(q, k, *args)
     for a, b in zip(out, out_ref, strict=True):

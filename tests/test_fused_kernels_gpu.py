@@ -99,24 +99,43 @@ def test_cross_entropy(N, V, dtype, ignored):
         torch.testing.assert_close(loss, ref.cross_entropy(logits.double(), targets).float(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("B, Hq, Hk, T, hd, interleaved, layout", [
-    (2, 16, 8, 257, 128, False, "bthd"),
-    (1, 12, 4, 130, 64, True, "bhtd"),
-    (2, 8, 1, 64, 128, True, "bthd"),
-    (1, 4, 4, 33, 64, False, "bhtd"),
-])
-def test_qk_norm_rope_bf16(B, Hq, Hk, T, hd, interleaved, layout):
-    def make(H):
-        if layout == "bthd":  # the model's projections: [B,T,H,hd] memory viewed as [B,H,T,hd]
-            return torch.randn(B, T, H * hd, device=DEV).to(torch.bfloat16).view(B, T, H, hd).transpose(1, 2)
-        return torch.randn(B, H, T, hd, device=DEV).to(torch.bfloat16)
+def _qk_tensor(B, H, T, hd, layout, dtype=torch.bfloat16):
+    """A [B,H,T,hd] tensor in one of the layouts qk_norm_rope meets."""
+    if layout == "bthd":  # the model's projections: [B,T,H,hd] memory viewed as [B,H,T,hd]
+        return torch.randn(B, T, H * hd, device=DEV).to(dtype).view(B, T, H, hd).transpose(1, 2)
+    if layout == "sliced":  # a slice of a fused projection: not dense, copied by the kernel's wrapper
+        return torch.randn(B, T, (H + 1) * hd, device=DEV).to(dtype)[..., :H * hd].view(B, T, H, hd).transpose(1, 2)
+    return torch.randn(B, H, T, hd, device=DEV).to(dtype)  # "bhtd": contiguous [B,H,T,hd]
 
-    q, k = make(Hq), make(Hk)
+
+@pytest.mark.parametrize("B, Hq, Hk, T, hd, interleaved, layout, dlayout", [
+    # dlayout "cross": dq' contiguous [B,H,T,hd] and dk' [B,T,H,hd], whatever the inputs' layout;
+    # "same": the grad outputs in their inputs' layout (what attention's backward produces)
+    (2, 16, 8, 257, 128, False, "bthd", "cross"),
+    (1, 12, 4, 130, 64, True, "bhtd", "cross"),  # GQA 3
+    (2, 8, 1, 64, 128, True, "bthd", "cross"),  # GQA 8
+    (1, 4, 4, 33, 64, False, "bhtd", "cross"),  # GQA 1
+    (4, 16, 8, 1024, 128, False, "bthd", "same"),  # the benchmark's layout, many backward programs
+    (2, 6, 2, 1001, 128, True, "bthd", "same"),  # GQA 3, odd T
+    (1, 8, 8, 77, 128, True, "bhtd", "same"),  # GQA 1
+    (2, 16, 2, 255, 64, True, "bthd", "same"),  # GQA 8, hd 64
+    (3, 4, 1, 513, 128, False, "mixed", "same"),  # q [B,T,H,hd] memory, k contiguous [B,H,T,hd]
+    (1, 3, 1, 300, 80, False, "sliced", "cross"),  # non-dense inputs, hd not a power of two
+])
+def test_qk_norm_rope_bf16(B, Hq, Hk, T, hd, interleaved, layout, dlayout):
+    q_layout, k_layout = ("bthd", "bhtd") if layout == "mixed" else (layout, layout)
+    q, k = _qk_tensor(B, Hq, T, hd, q_layout), _qk_tensor(B, Hk, T, hd, k_layout)
     qg = 1 + 0.2 * torch.randn(hd, device=DEV)
     kg = 1 + 0.2 * torch.randn(hd, device=DEV)
     cos, sin = ref.rope_cache(T + 100, hd, 10000.0, device=DEV)
-    dqo = torch.randn(B, Hq, T, hd, device=DEV).to(torch.bfloat16)
-    dko = torch.randn(B, T, Hk, hd, device=DEV).to(torch.bfloat16).transpose(1, 2)
+    if dlayout == "cross":
+        dqo = _qk_tensor(B, Hq, T, hd, "bhtd")
+        dko = _qk_tensor(B, Hk, T, hd, "bthd")
+    else:
+        dqo = torch.randn(q.shape, device=DEV).to(torch.bfloat16) if q.is_contiguous() else \
+            _qk_tensor(B, Hq, T, hd, "bthd")
+        dko = torch.randn(k.shape, device=DEV).to(torch.bfloat16) if k.is_contiguous() else \
+            _qk_tensor(B, Hk, T, hd, "bthd")
 
     def fused(q, k, qg, kg):
         return kernels.qk_norm_rope(q, k, qg, kg, cos, sin, 1e-6, interleaved, backend="triton")
@@ -125,3 +144,6 @@ def test_qk_norm_rope_bf16(B, Hq, Hk, T, hd, interleaved, layout):
         return ref.qk_norm_rope(q, k, qg, kg, cos.to(qg.dtype), sin.to(qg.dtype), 1e-6, interleaved)
 
     _compare("qk_norm_rope", fused, torch_ref, [q, k, qg, kg], [dqo, dko])
+    qo, ko = fused(q, k, qg, kg)
+    if layout != "sliced":  # dense inputs go through in their own layout, without a copy
+        assert qo.stride() == q.stride() and ko.stride() == k.stride()

@@ -9,6 +9,7 @@ import sys
 
 import pandas as pd
 import pytest
+import torch
 
 from blunb.launch import torchrun_command
 from blunb.runs import METRIC_COLUMNS, load_run
@@ -125,8 +126,11 @@ def test_zero1_adamw_matches_torch_ddp_adamw(tmp_path):
     assert len(re.findall(r"bit-identical[^:\n]*: True", zero.stdout)) == 4 and "False" not in zero.stdout
     z = pd.read_csv(tmp_path / "zero" / "metrics.csv")
     d = pd.read_csv(tmp_path / "ddp" / "metrics.csv")
-    assert z["train_loss"].tolist() == pytest.approx(d["train_loss"].tolist(), rel=2e-5)
-    assert z["grad_norm"].tolist() == pytest.approx(d["grad_norm"].tolist(), rel=2e-4)
+    # CPU: fp32 throughout, only the reduction order differs. CUDA: TF32 matmuls and kernels
+    # autotuned per process; measured on 2 x H200 (NCCL): loss within 1e-5, norm within 2.1e-4.
+    loss_rel, norm_rel = (1e-4, 1e-3) if torch.cuda.is_available() else (2e-5, 2e-4)
+    assert z["train_loss"].tolist() == pytest.approx(d["train_loss"].tolist(), rel=loss_rel)
+    assert z["grad_norm"].tolist() == pytest.approx(d["grad_norm"].tolist(), rel=norm_rel)
 
 
 def test_muon_run_trains_with_whole_matrix_owners(tmp_path):

@@ -1,21 +1,30 @@
 """Fused QK-norm + RoPE: RMSNorm over head_dim with a per-head-dim gamma, then RoPE.
 
 ONE kernel per direction serves q [B,Hq,T,hd] and k [B,Hkv,T,hd] (any GQA ratio): the
-first programs of the launch take q's rows, the rest k's. A "row" is one head vector
-(b, h, t) of hd elements, enumerated in (b, t, h) order. Inputs are read and outputs
-written through their strides, so the model's projections viewed as
-`x.view(B, T, H, hd).transpose(1, 2)` ([B,T,H,hd] in memory) are used without a
-contiguous copy, and so is a plain contiguous [B,H,T,hd]; only hd must be unit-stride.
-Outputs are allocated like the inputs (torch.empty_like keeps a dense input's strides),
-so the model's [B,T,H,hd] memory layout goes through unchanged; they have q/k's dtype,
-the math runs in fp32. cos/sin are [T_cache, hd/2]; rows 0..T-1 are used.
+first programs of the launch take q's rows, the rest k's. A "row" is one head vector of
+hd elements; the kernels see q and k as dense [rows, hd] matrices, row r at r * hd:
 
-Each rotation pair (x1, x2) is (x[i], x[i + hd/2]) for NeoX and (x[2i], x[2i+1]) for
-GPT-J, so both variants run the same [rows, hd/2] code with different column maps.
+* the model's layout, the projections viewed as `x.view(B, T, H, hd).transpose(1, 2)`
+  ([B,T,H,hd] in memory): rows in (b, t, h) order, position t = (r // H) % T;
+* a contiguous [B,H,T,hd]: rows in (b, h, t) order, t = r % T.
+
+Both are used as they are, without a copy (H is a compile-time constant, so r // H is a
+shift for a power-of-two H); any other layout (e.g. a strided slice) is copied to a
+contiguous [B,H,T,hd] first. Outputs are allocated like the inputs (torch.empty_like
+keeps a dense input's strides), so the model's [B,T,H,hd] memory goes through unchanged;
+they have q/k's dtype, the math runs in fp32. cos/sin are [T_cache, hd/2]; rows 0..T-1
+are used. In the backward, a grad output whose layout differs from its input's is copied
+into the input's layout (attention's backward already produces that layout).
+
+A program's tile is BLOCK_R rows x hd, loaded once, as the two rotation halves:
+NeoX: x1 = cols [0, hd/2), x2 = [hd/2, hd), two [BLOCK_R, hd/2] loads; GPT-J: the full
+contiguous row tile split into even/odd columns with tl.reshape + tl.split (and joined
+back with tl.join for the store), so the pairs stay in the registers of one thread.
 Backward recomputes rstd from x (it re-reads x anyway), undoes the rotation
-(R^T: dy1 = do1 c + do2 s, dy2 = do2 c - do1 s), then applies the RMSNorm backward;
-a persistent grid accumulates each gamma's gradient per program in fp32, and the
-partial rows are summed once afterwards (no atomics).
+(R^T: dy1 = do1 c + do2 s, dy2 = do2 c - do1 s), then applies the RMSNorm backward.
+Each backward program walks a run of rows and writes one fp32 partial of its gamma's
+gradient; q and k get the same number of programs, so the partials form one dense
+[2, P, hd] buffer reduced by a single sum (no atomics).
 """
 
 from __future__ import annotations
@@ -26,140 +35,197 @@ import triton.language as tl
 
 from blunb.kernels.fused._common import autotune, num_sms
 
+_KEY = ["nq_rows", "nk_rows", "HQ", "HK", "HALF", "INTERLEAVED"]
 _TUNE = dict(
-    gpu=[triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((8, 4), (16, 4), (32, 8))],
-    cpu=triton.Config({"BLOCK_R": 8}, num_warps=4),
-    key=["HALF", "INTERLEAVED"],
+    gpu=[triton.Config({"BLOCK_R": r}, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
+    cpu=triton.Config({"BLOCK_R": 16}, num_warps=4),
+    key=_KEY,
 )
+_MAX_BLOCK_R = 64  # the largest BLOCK_R above: a backward program's run of rows is a multiple of it
 
 
 @triton.jit
-def _pair_cols(HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _positions(r, H: tl.constexpr, BHTD: tl.constexpr, T):
+    """Position t of rows r (int32): (b, h, t) row order if BHTD, else (b, t, h)."""
+    if BHTD:
+        return r % T
+    else:
+        return (r // H) % T
+
+
+@triton.jit
+def _load_pairs(x_ptr, offs, mask, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """The rotation halves (x1, x2) of a row tile as fp32 [BLOCK_R, HALF_P].
+
+    offs/mask address the tile: [BLOCK_R, HALF_P] (NeoX, x2 is HALF further) or
+    [BLOCK_R, 2 * HALF_P] (GPT-J, split into even / odd columns)."""
+    if INTERLEAVED:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_R, HALF_P, 2]))
+    else:
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_pairs(o_ptr, offs, mask, y1, y2, HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                 INTERLEAVED: tl.constexpr):
+    if INTERLEAVED:
+        y = tl.reshape(tl.join(y1, y2), [BLOCK_R, 2 * HALF_P])
+        tl.store(o_ptr + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(o_ptr + offs, y1.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + offs + HALF, y2.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_offsets(HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """In-tile element offsets (int32, relative to the tile's first row) and the column mask."""
+    rl = tl.arange(0, BLOCK_R)
+    if INTERLEAVED:
+        col = tl.arange(0, 2 * HALF_P)
+        return rl[:, None] * (2 * HALF) + col[None, :], col < 2 * HALF
+    else:
+        col = tl.arange(0, HALF_P)
+        return rl[:, None] * (2 * HALF) + col[None, :], col < HALF
+
+
+@triton.jit
+def _gammas(g_ptr, HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """gamma at the pair columns, as fp32 [1, HALF_P] each."""
     i = tl.arange(0, HALF_P)
     if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
+        g1 = tl.load(g_ptr + 2 * i, mask=i < HALF, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptr + 2 * i + 1, mask=i < HALF, other=0.0).to(tl.float32)
     else:
-        c1 = i
-        c2 = i + HALF
-    return i, c1, c2, i < HALF
+        g1 = tl.load(g_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptr + i + HALF, mask=i < HALF, other=0.0).to(tl.float32)
+    return g1[None, :], g2[None, :]
 
 
 @triton.jit
-def _row_offsets(blk, n_rows, H, T, BLOCK_R: tl.constexpr):
-    r = blk * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    h = r % H
-    bt = r // H
-    t = bt % T
-    b = bt // T
-    return b, h, t, r < n_rows
+def _cos_sin(cos_ptr, sin_ptr, t, rmask, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    i = tl.arange(0, HALF_P)
+    cs = t[:, None] * HALF + i[None, :]
+    m = rmask[:, None] & (i < HALF)[None, :]
+    return tl.load(cos_ptr + cs, mask=m, other=0.0), tl.load(sin_ptr + cs, mask=m, other=0.0)
 
 
 @triton.jit
-def _fwd_rows(x_ptr, o_ptr, g_ptr, cos_ptr, sin_ptr, blk, n_rows, H, T,
-              sx_b, sx_h, sx_t, so_b, so_h, so_t, s_cos, eps,
-              HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
-    i, c1, c2, cmask = _pair_cols(HALF, HALF_P, INTERLEAVED)
-    b, h, t, rmask = _row_offsets(blk, n_rows, H, T, BLOCK_R)
+def _fwd_tile(x_ptr, o_ptr, g_ptr, cos_ptr, sin_ptr, r0, n_rows, T, eps,
+              H: tl.constexpr, BHTD: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+              INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    base = r0.to(tl.int64) * (2 * HALF)  # 64-bit only in the tile's base; in-tile offsets fit 32 bits
+    x_ptr += base
+    o_ptr += base
+    r = r0 + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    offs, cmask = _tile_offsets(HALF, HALF_P, BLOCK_R, INTERLEAVED)
     mask = rmask[:, None] & cmask[None, :]
-    xrow = (b * sx_b + h * sx_h + t * sx_t)[:, None]
-    x1 = tl.load(x_ptr + xrow + c1[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + xrow + c2[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = _load_pairs(x_ptr, offs, mask, HALF, HALF_P, BLOCK_R, INTERLEAVED)
+    c, s = _cos_sin(cos_ptr, sin_ptr, _positions(r, H, BHTD, T), rmask, HALF, HALF_P)
+    g1, g2 = _gammas(g_ptr, HALF, HALF_P, INTERLEAVED)
     rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-    g1 = tl.load(g_ptr + c1, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    g2 = tl.load(g_ptr + c2, mask=cmask, other=0.0).to(tl.float32)[None, :]
     y1 = x1 * rstd * g1
     y2 = x2 * rstd * g2
-    cs = t[:, None] * s_cos + i[None, :]
-    c = tl.load(cos_ptr + cs, mask=mask, other=0.0)
-    s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
-    orow = (b * so_b + h * so_h + t * so_t)[:, None]
-    tl.store(o_ptr + orow + c1[None, :], (y1 * c - y2 * s).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + orow + c2[None, :], (y2 * c + y1 * s).to(o_ptr.dtype.element_ty), mask=mask)
+    _store_pairs(o_ptr, offs, mask, y1 * c - y2 * s, y2 * c + y1 * s, HALF, HALF_P, BLOCK_R, INTERLEAVED)
 
 
 @autotune(**_TUNE)
 @triton.jit
-def _qk_fwd(q_ptr, k_ptr, qo_ptr, ko_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, nq_rows, nk_rows, Hq, Hk, T,
-            sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t, s_cos, eps,
+def _qk_fwd(q_ptr, k_ptr, qo_ptr, ko_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, nq_rows, nk_rows, T, eps,
+            HQ: tl.constexpr, HK: tl.constexpr, Q_BHTD: tl.constexpr, K_BHTD: tl.constexpr,
             HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
     nq_blocks = tl.cdiv(nq_rows, BLOCK_R)
     if pid < nq_blocks:
-        _fwd_rows(q_ptr, qo_ptr, qg_ptr, cos_ptr, sin_ptr, pid, nq_rows, Hq, T,
-                  sq_b, sq_h, sq_t, sqo_b, sqo_h, sqo_t, s_cos, eps, HALF, HALF_P, INTERLEAVED, BLOCK_R)
+        _fwd_tile(q_ptr, qo_ptr, qg_ptr, cos_ptr, sin_ptr, pid * BLOCK_R, nq_rows, T, eps,
+                  HQ, Q_BHTD, HALF, HALF_P, INTERLEAVED, BLOCK_R)
     else:
-        _fwd_rows(k_ptr, ko_ptr, kg_ptr, cos_ptr, sin_ptr, pid - nq_blocks, nk_rows, Hk, T,
-                  sk_b, sk_h, sk_t, sko_b, sko_h, sko_t, s_cos, eps, HALF, HALF_P, INTERLEAVED, BLOCK_R)
+        _fwd_tile(k_ptr, ko_ptr, kg_ptr, cos_ptr, sin_ptr, (pid - nq_blocks) * BLOCK_R, nk_rows, T, eps,
+                  HK, K_BHTD, HALF, HALF_P, INTERLEAVED, BLOCK_R)
 
 
 @triton.jit
-def _bwd_rows(x_ptr, do_ptr, dx_ptr, g_ptr, dg_part_ptr, cos_ptr, sin_ptr, pid, n_prog, n_rows, H, T,
-              sx_b, sx_h, sx_t, sdo_b, sdo_h, sdo_t, sdx_b, sdx_h, sdx_t, s_cos, eps,
-              HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
-    i, c1, c2, cmask = _pair_cols(HALF, HALF_P, INTERLEAVED)
-    g1 = tl.load(g_ptr + c1, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    g2 = tl.load(g_ptr + c2, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    dg1 = tl.zeros([HALF_P], dtype=tl.float32)
-    dg2 = tl.zeros([HALF_P], dtype=tl.float32)
-    n_blocks = tl.cdiv(n_rows, BLOCK_R)
-    blk = pid
+def _bwd_run(x_ptr, do_ptr, dx_ptr, g_ptr, dg_ptr, cos_ptr, sin_ptr, start, stop, T, eps,
+             H: tl.constexpr, BHTD: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+             INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [start, stop) in BLOCK_R tiles; writes this run's gamma-gradient partial to dg_ptr."""
+    offs, cmask = _tile_offsets(HALF, HALF_P, BLOCK_R, INTERLEAVED)
+    g1, g2 = _gammas(g_ptr, HALF, HALF_P, INTERLEAVED)
+    # gamma-gradient terms accumulate per tile element and are reduced over rows once, after the loop
+    # (a per-iteration reduction over rows spans warps: a shared-memory round trip and barrier each time)
+    acc1 = tl.zeros([BLOCK_R, HALF_P], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, HALF_P], dtype=tl.float32)
+    r0 = start
     # a while loop: the interpreter (numpy 2.x) cannot range() over runtime scalar args
-    while blk < n_blocks:
-        b, h, t, rmask = _row_offsets(blk, n_rows, H, T, BLOCK_R)
+    while r0 < stop:
+        base = r0.to(tl.int64) * (2 * HALF)
+        r = r0 + tl.arange(0, BLOCK_R)
+        rmask = r < stop
         mask = rmask[:, None] & cmask[None, :]
-        xrow = (b * sx_b + h * sx_h + t * sx_t)[:, None]
-        x1 = tl.load(x_ptr + xrow + c1[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + xrow + c2[None, :], mask=mask, other=0.0).to(tl.float32)
-        dorow = (b * sdo_b + h * sdo_h + t * sdo_t)[:, None]
-        do1 = tl.load(do_ptr + dorow + c1[None, :], mask=mask, other=0.0).to(tl.float32)
-        do2 = tl.load(do_ptr + dorow + c2[None, :], mask=mask, other=0.0).to(tl.float32)
-        cs = t[:, None] * s_cos + i[None, :]
-        c = tl.load(cos_ptr + cs, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
+        x1, x2 = _load_pairs(x_ptr + base, offs, mask, HALF, HALF_P, BLOCK_R, INTERLEAVED)
+        do1, do2 = _load_pairs(do_ptr + base, offs, mask, HALF, HALF_P, BLOCK_R, INTERLEAVED)
+        c, s = _cos_sin(cos_ptr, sin_ptr, _positions(r, H, BHTD, T), rmask, HALF, HALF_P)
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         xh1 = x1 * rstd
         xh2 = x2 * rstd
         dy1 = do1 * c + do2 * s
         dy2 = do2 * c - do1 * s
-        dg1 += tl.sum(dy1 * xh1, axis=0)
-        dg2 += tl.sum(dy2 * xh2, axis=0)
+        acc1 += dy1 * xh1
+        acc2 += dy2 * xh2
         dxh1 = dy1 * g1
         dxh2 = dy2 * g2
         proj = ((tl.sum(dxh1 * xh1, axis=1) + tl.sum(dxh2 * xh2, axis=1)) / (2 * HALF))[:, None]
-        dxrow = (b * sdx_b + h * sdx_h + t * sdx_t)[:, None]
-        tl.store(dx_ptr + dxrow + c1[None, :], ((dxh1 - xh1 * proj) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + dxrow + c2[None, :], ((dxh2 - xh2 * proj) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
-        blk += n_prog
-    part = dg_part_ptr + pid * (2 * HALF)
-    tl.store(part + c1, dg1, mask=cmask)
-    tl.store(part + c2, dg2, mask=cmask)
+        _store_pairs(dx_ptr + base, offs, mask, (dxh1 - xh1 * proj) * rstd, (dxh2 - xh2 * proj) * rstd,
+                     HALF, HALF_P, BLOCK_R, INTERLEAVED)
+        r0 += BLOCK_R
+    dg1 = tl.sum(acc1, axis=0)
+    dg2 = tl.sum(acc2, axis=0)
+    i = tl.arange(0, HALF_P)
+    if INTERLEAVED:
+        tl.store(dg_ptr + 2 * i, dg1, mask=i < HALF)
+        tl.store(dg_ptr + 2 * i + 1, dg2, mask=i < HALF)
+    else:
+        tl.store(dg_ptr + i, dg1, mask=i < HALF)
+        tl.store(dg_ptr + i + HALF, dg2, mask=i < HALF)
 
 
 @autotune(**_TUNE)
 @triton.jit
-def _qk_bwd(q_ptr, k_ptr, dqo_ptr, dko_ptr, dq_ptr, dk_ptr, qg_ptr, kg_ptr, dqg_ptr, dkg_ptr, cos_ptr, sin_ptr,
-            nq_prog, nk_prog, nq_rows, nk_rows, Hq, Hk, T,
-            sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sdqo_b, sdqo_h, sdqo_t, sdko_b, sdko_h, sdko_t,
-            sdq_b, sdq_h, sdq_t, sdk_b, sdk_h, sdk_t, s_cos, eps,
+def _qk_bwd(q_ptr, k_ptr, dqo_ptr, dko_ptr, dq_ptr, dk_ptr, qg_ptr, kg_ptr, dg_part_ptr, cos_ptr, sin_ptr,
+            nq_rows, nk_rows, q_run, k_run, n_prog, T, eps,
+            HQ: tl.constexpr, HK: tl.constexpr, Q_BHTD: tl.constexpr, K_BHTD: tl.constexpr,
             HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
-    if pid < nq_prog:
-        _bwd_rows(q_ptr, dqo_ptr, dq_ptr, qg_ptr, dqg_ptr, cos_ptr, sin_ptr, pid, nq_prog, nq_rows, Hq, T,
-                  sq_b, sq_h, sq_t, sdqo_b, sdqo_h, sdqo_t, sdq_b, sdq_h, sdq_t, s_cos, eps,
-                  HALF, HALF_P, INTERLEAVED, BLOCK_R)
+    dg_ptr = dg_part_ptr + pid * (2 * HALF)  # row pid of the [2, n_prog, hd] partials
+    if pid < n_prog:
+        start = pid * q_run
+        _bwd_run(q_ptr, dqo_ptr, dq_ptr, qg_ptr, dg_ptr, cos_ptr, sin_ptr, start, tl.minimum(start + q_run, nq_rows),
+                 T, eps, HQ, Q_BHTD, HALF, HALF_P, INTERLEAVED, BLOCK_R)
     else:
-        _bwd_rows(k_ptr, dko_ptr, dk_ptr, kg_ptr, dkg_ptr, cos_ptr, sin_ptr, pid - nq_prog, nk_prog, nk_rows, Hk, T,
-                  sk_b, sk_h, sk_t, sdko_b, sdko_h, sdko_t, sdk_b, sdk_h, sdk_t, s_cos, eps,
-                  HALF, HALF_P, INTERLEAVED, BLOCK_R)
+        start = (pid - n_prog) * k_run
+        _bwd_run(k_ptr, dko_ptr, dk_ptr, kg_ptr, dg_ptr, cos_ptr, sin_ptr, start, tl.minimum(start + k_run, nk_rows),
+                 T, eps, HK, K_BHTD, HALF, HALF_P, INTERLEAVED, BLOCK_R)
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _layout(x: torch.Tensor):
+    """(x or a contiguous copy, BHTD flag): x [B,H,T,hd] as dense rows, see the module doc."""
+    if x.transpose(1, 2).is_contiguous():
+        return x, False
+    if x.is_contiguous():
+        return x, True
+    x = x.contiguous()
+    return x, True
 
 
-def _bht_strides(x: torch.Tensor):
-    return x.stride(0), x.stride(1), x.stride(2)
+def _like(do: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """do in x's memory layout (a copy only when it differs)."""
+    if do.stride() == x.stride():
+        return do
+    return torch.empty_like(x).copy_(do)
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -169,21 +235,21 @@ class _QKNormRope(torch.autograd.Function):
         Hk = k.shape[1]
         if k.shape != (B, Hk, T, hd) or hd % 2:
             raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} need equal B, T and an even hd")
-        q, k = _unit_last(q), _unit_last(k)
-        cos = _unit_last(cos[:T].float())
-        sin = _unit_last(sin[:T].float())
-        if cos.stride() != sin.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
+        nq, nk = B * Hq * T, B * Hk * T
+        if max(nq, nk) * 2 >= 2**31:  # row indices are int32 (element offsets are 64-bit)
+            raise ValueError("qk_norm_rope: too many rows")
+        q, q_bhtd = _layout(q)
+        k, k_bhtd = _layout(k)
+        cos = cos[:T].float().contiguous()
+        sin = sin[:T].float().contiguous()
         qg, kg = q_gamma.contiguous(), k_gamma.contiguous()
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         half = hd // 2
-        meta = dict(HALF=half, HALF_P=triton.next_power_of_2(half), INTERLEAVED=bool(interleaved))
-        nq, nk = B * Hq * T, B * Hk * T
+        meta = dict(HQ=Hq, HK=Hk, Q_BHTD=q_bhtd, K_BHTD=k_bhtd, HALF=half, HALF_P=triton.next_power_of_2(half),
+                    INTERLEAVED=bool(interleaved))
         if nq:
             grid = lambda m: (triton.cdiv(nq, m["BLOCK_R"]) + triton.cdiv(nk, m["BLOCK_R"]),)
-            _qk_fwd[grid](q, k, qo, ko, qg, kg, cos, sin, nq, nk, Hq, Hk, T,
-                          *_bht_strides(q), *_bht_strides(k), *_bht_strides(qo), *_bht_strides(ko),
-                          cos.stride(0), eps, **meta)
+            _qk_fwd[grid](q, k, qo, ko, qg, kg, cos, sin, nq, nk, T, eps, **meta)
         ctx.save_for_backward(q, k, qg, kg, cos, sin)
         ctx.eps, ctx.meta = eps, meta
         return qo, ko
@@ -194,20 +260,22 @@ class _QKNormRope(torch.autograd.Function):
         q, k, qg, kg, cos, sin = ctx.saved_tensors
         B, Hq, T, hd = q.shape
         Hk = k.shape[1]
-        dqo, dko = _unit_last(dqo), _unit_last(dko)
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
         nq, nk = B * Hq * T, B * Hk * T
-        # a persistent grid split between q and k in proportion to their rows
-        n_prog = max(2, min(4 * num_sms(q.device), triton.cdiv(nq + nk, 8)))
-        nq_prog = min(n_prog - 1, max(1, round(n_prog * nq / max(nq + nk, 1))))
-        nk_prog = n_prog - nq_prog
-        dqg_part = torch.empty((nq_prog, hd), dtype=torch.float32, device=q.device)
-        dkg_part = torch.empty((nk_prog, hd), dtype=torch.float32, device=q.device)
-        _qk_bwd[(n_prog,)](q, k, dqo, dko, dq, dk, qg, kg, dqg_part, dkg_part, cos, sin,
-                           nq_prog, nk_prog, nq, nk, Hq, Hk, T,
-                           *_bht_strides(q), *_bht_strides(k), *_bht_strides(dqo), *_bht_strides(dko),
-                           *_bht_strides(dq), *_bht_strides(dk), cos.stride(0), ctx.eps, **ctx.meta)
-        return (dq, dk, dqg_part.sum(0).to(qg.dtype), dkg_part.sum(0).to(kg.dtype), None, None, None, None)
+        if not nq:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(qg), torch.zeros_like(kg), \
+                None, None, None, None
+        dqo, dko = _like(dqo, q), _like(dko, k)
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        # q and k get the same number of programs P, each a run of rows (a multiple of every BLOCK_R)
+        target = max(1, 16 * num_sms(q.device))  # several waves: no half-empty tail wave
+        q_run = triton.cdiv(triton.cdiv(nq, target), _MAX_BLOCK_R) * _MAX_BLOCK_R
+        n_prog = triton.cdiv(nq, q_run)
+        k_run = triton.cdiv(triton.cdiv(nk, n_prog), _MAX_BLOCK_R) * _MAX_BLOCK_R
+        dg_part = torch.empty((2, n_prog, hd), dtype=torch.float32, device=q.device)
+        _qk_bwd[(2 * n_prog,)](q, k, dqo, dko, dq, dk, qg, kg, dg_part, cos, sin,
+                               nq, nk, q_run, k_run, n_prog, T, ctx.eps, **ctx.meta)
+        dg = dg_part.sum(1)
+        return dq, dk, dg[0].to(qg.dtype), dg[1].to(kg.dtype), None, None, None, None
 
 
 def qk_norm_rope(q, k, q_gamma, k_gamma, cos, sin, eps: float, interleaved: bool = False):
