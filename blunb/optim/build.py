@@ -114,6 +114,8 @@ class ZeroOptimizers:
         mib = sum(o.state_bytes() for _, o, _ in self.groups) / 2**20
         lines = [f"optimizer: {self.label} over {self.world_size} rank(s), collective {self.cfg.collective}, "
                  f"state {mib:.1f} MiB on this rank"]
+        if self.muon is not None and self.muon.comm_buffer_bytes():
+            lines[0] += f" (+ {self.muon.comm_buffer_bytes() / 2**20:.1f} MiB of Muon collective buckets)"
         for i, (name, opt, (hi, lo)) in enumerate(self.groups):
             lines.append(f"  G{i} {name}: {opt.total_numel():,} params, lr {hi:g} -> {lo:g}")
         clip = "global" + (" strict" if self.cfg.global_clip_strict else " (covered)") \

@@ -19,11 +19,6 @@ class ClipStats:
     clipped: torch.Tensor     # bool
     found_inf: torch.Tensor   # bool
 
-    def as_floats(self) -> dict:
-        """Host copies, for logging (this is the one place that syncs)."""
-        return {"total_norm": float(self.total_norm), "clip_coef": float(self.clip_coef),
-                "clipped": bool(self.clipped), "found_inf": bool(self.found_inf)}
-
 
 def clip_stats_from_sq_norm(sq_norm: torch.Tensor, max_norm: float) -> ClipStats:
     """Stats for a gradient whose squared L2 norm is `sq_norm` (already summed over ranks).

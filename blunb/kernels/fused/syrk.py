@@ -158,13 +158,6 @@ def use_triton(x: torch.Tensor, has_c: bool) -> bool:
     return verdict(x, has_c)["backend"] == "triton"
 
 
-def syrk_or_cublas(x: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, c: torch.Tensor | None = None):
-    """The faster of the Triton kernel and cuBLAS for this shape (per the autotune verdict)."""
-    if use_triton(x, c is not None):
-        return triton_syrk(x, alpha, beta, c, config=tuple(_cache.get(_key(x, c is not None))["config"]))
-    return cublas(x, alpha, beta, c)
-
-
 # ----------------------------------------------------------------------------- autotune
 
 def _cache_path() -> Path:
