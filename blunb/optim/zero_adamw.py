@@ -15,9 +15,11 @@ Per step (no host sync anywhere on this path):
            reduce_bcast: reduce(SUM) of each chunk to its owner. Serially after backward,
            or from post-accumulate-grad hooks as buckets fill (overlap_backward).
   measure  ||avg grad||^2 of the shard, all-reduced: per-instance or global clip stats.
-  update   torch._fused_adamw_ over the shard with grad_scale = W / clip_coef (averaging and
-           clipping folded into the kernel) and found_inf (the kernel leaves params and
-           moments untouched on an inf/NaN norm, on every rank, without a host round trip).
+  update   torch._fused_adamw_ over the shard, one call per bucket chunk and decay class (a bf16
+           gradient chunk is staged in fp32 first, so staging costs one chunk, not the shard),
+           with grad_scale = W / clip_coef (averaging and clipping folded into the kernel) and
+           found_inf (the kernel leaves params and moments untouched on an inf/NaN norm, on
+           every rank, without a host round trip).
   publish  master -> param dtype into the owned chunks, then all_gather (rs_ag) or
            broadcast from the owner (reduce_bcast), per bucket; with overlap_refresh the
            buckets are published asynchronously in forward order and waited for by forward
@@ -191,9 +193,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._shard_chunk(self._master, b).copy_(self._chunk_view(self._flat_param, b, self.rank))
         self._exp_avg = torch.zeros(S, dtype=torch.float32, device=dev)
         self._exp_avg_sq = torch.zeros(S, dtype=torch.float32, device=dev)
-        # The fused kernel wants fp32 gradients: a non-fp32 reduce needs an fp32 shard copy.
+        # The fused kernel wants fp32 gradients: a non-fp32 reduce stages one bucket's chunk
+        # at a time in fp32 (the update runs bucket by bucket), not the whole shard.
         self._grad_stage = (None if self.red_dtype == torch.float32
-                            else torch.empty(S, dtype=torch.float32, device=dev))
+                            else torch.empty(max(self._bucket_chunk), dtype=torch.float32, device=dev))
         extra = self._extra_bytes(self.red_dtype) - self._extra_bytes(self.dtype)
         if self.red_dtype != self.dtype and self.rank == 0:
             print(f"[ShardedAdamW] reduce_dtype={reduce_dtype} on the {self.dtype} group "
@@ -203,18 +206,19 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _extra_bytes(self, red_dtype) -> int:
         """Staging bytes beyond the 12 B/elem state for a given reduce dtype."""
         red = 0 if red_dtype == self.dtype else self.padded_numel * torch.empty((), dtype=red_dtype).element_size()
-        stage = 0 if red_dtype == torch.float32 else 4 * self.shard_numel
+        stage = 0 if red_dtype == torch.float32 else 4 * max(self._bucket_chunk)
         return red + stage
 
     def _build_update_lists(self) -> None:
-        """Views for the fused update: runs of the shard with one weight-decay class.
+        """Per bucket, views for the fused update: runs of its shard chunk with one
+        weight-decay class. Gradients are the reduced chunk itself (fp32 reduce) or the
+        fp32 staging buffer, which every bucket reuses from offset 0.
 
-        A run never crosses a bucket chunk (the gradient views are per chunk) and padding
-        joins whichever run it sits in (it stays zero: zero grad, zero weight).
+        Padding joins whichever run it sits in (it stays zero: zero grad, zero weight).
         """
         r = self.rank
         red_chunks = [self._chunk_view(self._flat_red, b, r) for b in range(len(self._buckets))]
-        lists = {True: ([], [], [], []), False: ([], [], [], [])}  # master, grad, exp_avg, exp_avg_sq
+        self._update_lists = []
         shard_start = 0
         for b, idx in enumerate(self._buckets):
             c = self._bucket_chunk[b]
@@ -230,20 +234,19 @@ class ShardedAdamW(torch.optim.Optimizer):
             for off, decays in marks or [(0, False)]:
                 if not runs or runs[-1][1] != decays:
                     runs.append((off, decays))
+            grad_src = self._grad_stage if self._grad_stage is not None else red_chunks[b]
+            lists = {True: ([], [], [], []), False: ([], [], [], [])}  # master, grad, exp_avg, exp_avg_sq
             for k, (off, decays) in enumerate(runs):
                 end = runs[k + 1][0] if k + 1 < len(runs) else c
                 a, z = shard_start + off, shard_start + end
                 m, g, ea, es = lists[decays]
                 m.append(self._master[a:z])
-                g.append(self._grad_stage[a:z] if self._grad_stage is not None else red_chunks[b][off:end])
+                g.append(grad_src[off:end])
                 ea.append(self._exp_avg[a:z])
                 es.append(self._exp_avg_sq[a:z])
+            self._update_lists.append({k: v for k, v in lists.items() if v[0]})
             shard_start += c
-        self._update_lists = {k: v for k, v in lists.items() if v[0]}
         self._red_chunks = red_chunks
-        if self._grad_stage is not None:
-            self._stage_chunks = [self._shard_chunk(self._grad_stage, b) for b in range(len(self._buckets))]
-        self._shard_grad_chunks = self._stage_chunks if self._grad_stage is not None else red_chunks
         self._param_chunks = [self._chunk_view(self._flat_param, b, r) for b in range(len(self._buckets))]
         self._master_chunks = [self._shard_chunk(self._master, b) for b in range(len(self._buckets))]
 
@@ -326,10 +329,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._drain_grad_works()
         elif self._flat_red is not self._flat_grad:
             self._flat_red.copy_(self._flat_grad)
-        if self._grad_stage is not None:
-            torch._foreach_copy_(self._stage_chunks, self._red_chunks)
-        norms = torch._foreach_norm(self._shard_grad_chunks)
-        sq = torch.stack(norms).float().square().sum() / self.world**2
+        norms = torch._foreach_norm(self._red_chunks, 2.0, dtype=torch.float32)
+        sq = torch.stack(norms).square().sum() / self.world**2
         if self.world > 1:
             dist.all_reduce(sq, group=self.group)
         self._measured = sq
@@ -368,11 +369,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._skipped += self.clip_stats.found_inf.long()
         grad_scale = self.world / self.clip_stats.clip_coef       # kernel divides: g * coef / W
         g = self.param_groups[0]
-        for decays, (master, grads, m, v) in self._update_lists.items():
-            torch._fused_adamw_(master, grads, m, v, [], [self._step] * len(master), lr=g["lr"],
-                                beta1=g["betas"][0], beta2=g["betas"][1],
-                                weight_decay=g["weight_decay"] if decays else 0.0, eps=g["eps"],
-                                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        for b, lists in enumerate(self._update_lists):
+            if self._grad_stage is not None:
+                self._grad_stage[: self._bucket_chunk[b]].copy_(self._red_chunks[b])
+            for decays, (master, grads, m, v) in lists.items():
+                torch._fused_adamw_(master, grads, m, v, [], [self._step] * len(master), lr=g["lr"],
+                                    beta1=g["betas"][0], beta2=g["betas"][1],
+                                    weight_decay=g["weight_decay"] if decays else 0.0, eps=g["eps"],
+                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
         self._publish()
         self._measured = None
         self._ext_coef = self._ext_found_inf = None
@@ -435,7 +439,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Optimizer bytes held on this rank: 12 B x shard (fp32 master, exp_avg, exp_avg_sq)
-        + 4 B x shard fp32 gradient staging when the reduce dtype is not fp32
+        + 4 B x the largest bucket chunk of fp32 gradient staging when the reduce dtype is not fp32
         + a flat reduce buffer (padded x reduce element size) when it differs from the param dtype."""
         return 12 * self.shard_numel + self._extra_bytes(self.red_dtype)
 
