@@ -13,6 +13,7 @@ the run with an error naming the step (its row is written first).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -230,13 +231,19 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
         log()
         log(meter.summary())
         log("=== Training complete ===")
+        # Drop the model and optimizers now: their hooks form reference cycles that would
+        # otherwise be collected at interpreter shutdown, where gloo work objects holding
+        # tensors abort the process.
+        del opt, model
+        gc.collect()
+        if world_size > 1:
+            dist.barrier()
+            dist.destroy_process_group()  # on success only: after a failure peers may be mid-collective
         return run_dir
     finally:
         if metrics:
             metrics.close()
         log.close()
-        if world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
