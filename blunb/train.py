@@ -174,7 +174,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
                 opt.drain()  # install any staged parameter refresh before reading the weights
                 last_val = val_this_step = evaluate(model, val_loader, cfg.val_loss_steps, device, world_size)
                 if cfg.diag:
-                    log(f"[diag] replicas bit-identical: {check_replicas(opt, world_size)}")
+                    log(f"[diag] replicas bit-identical: {check_replicas(model, world_size)}")
             t0 = time.perf_counter()
             lrs = opt.set_lr(step)
             loss_accum = torch.zeros((), device=device)
@@ -225,7 +225,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
                                     f"step {step}); stopping the run (max_consecutive_skips)")
         opt.drain()
         if cfg.diag:
-            log(f"[diag] replicas bit-identical after the last step: {check_replicas(opt, world_size)}")
+            log(f"[diag] replicas bit-identical after the last step: {check_replicas(model, world_size)}")
         if skipped_total:
             log(f"{skipped_total} step(s) skipped for a non-finite gradient norm")
         log()

@@ -69,9 +69,6 @@ class DDPAdamW:
     def drain(self) -> None:
         pass
 
-    def replica_checksum(self) -> torch.Tensor:
-        return torch.stack([p.detach().double().sum() for p in self.params]).sum()
-
 
 class ZeroOptimizers:
     """The ZeRO-1 groups ("adamw" or "muon"), stepped in the seed's order."""
@@ -168,10 +165,6 @@ class ZeroOptimizers:
         for _, opt, _ in self.groups:
             opt.drain_refresh()
 
-    def replica_checksum(self) -> torch.Tensor:
-        model = self.forward_model
-        return torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
-
 
 def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
     if cfg.optimizer == "ddp_adamw":
@@ -181,9 +174,10 @@ def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, w
     return ZeroOptimizers(model, cfg, device, world_size)
 
 
-def check_replicas(opt, world_size: int) -> bool:
-    """True when every rank holds bit-identical parameters (a --diag check)."""
-    mine = opt.replica_checksum().reshape(1)
+def check_replicas(model: nn.Module, world_size: int) -> bool:
+    """True when every rank holds the same parameters (a --diag check: an fp64 sum per tensor,
+    summed, compared exactly across ranks)."""
+    mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
     if world_size == 1:
         return True
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
