@@ -11,6 +11,10 @@ recorded in meta.json and copied into every run folder.
 
 `python -m blunb.data prepare [--src FOLDER] [--out DIR]` prepares the default corpus or a
 folder of text files.
+
+Facts that need a full read of a shard (its largest token id, its sha256) are cached in
+`<shard>.blunb-cache.json` beside it, keyed by the file's size and mtime; in a read-only
+folder they are simply recomputed.
 """
 
 from __future__ import annotations
@@ -104,6 +108,126 @@ def find_shards(folder: str | Path, split: str) -> list[Path]:
     return shards
 
 
+# ---------------------------------------------------------------- per-shard facts, cached
+
+SCAN_CHUNK = 1 << 24  # tokens per read (32 MiB of uint16): bounded RAM on multi-GB shards
+HASH_BLOCK = 1 << 20
+
+
+def _cache_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + ".blunb-cache.json")
+
+
+def _file_key(shard: Path) -> dict:
+    st = shard.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _cache_get(shard: Path, key: dict, field: str):
+    """A cached fact about `shard`, or None when absent, stale (size or mtime changed) or unreadable."""
+    try:
+        entry = json.loads(_cache_path(shard).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in key.items()):
+        return None
+    return entry.get(field)
+
+
+def _cache_put(shard: Path, key: dict, field: str, value) -> None:
+    """Record a fact next to the shard; silently skipped where the folder is not writable."""
+    path = _cache_path(shard)
+    try:
+        entry = json.loads(path.read_text())
+        if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in key.items()):
+            entry = {}
+    except (OSError, ValueError):
+        entry = {}
+    entry.update(key)
+    entry[field] = value
+    try:
+        # A unique temporary name: several ranks may fill the cache of the same shard at once.
+        fd, tmp = tempfile.mkstemp(dir=shard.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; others sharing the data folder should read it
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _scan_max_id(shard: Path) -> int:
+    """Largest token id in a shard (-1 when empty), read in chunks."""
+    tokens = read_shard(shard)
+    top = -1
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        top = max(top, int(tokens[start:start + SCAN_CHUNK].max()))
+    return top
+
+
+def _first_at_least(shard: Path, limit: int) -> tuple[int, int]:
+    """(offset, id) of the first token id >= limit; only called once a shard is known to hold one."""
+    tokens = read_shard(shard)
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        hits = np.flatnonzero(tokens[start:start + SCAN_CHUNK] >= limit)
+        if hits.size:
+            return start + int(hits[0]), int(tokens[start + hits[0]])
+    raise AssertionError(f"{shard}: no token id >= {limit}")
+
+
+def shard_max_id(shard: str | Path) -> int:
+    """The largest token id in a shard, computed once per file version and cached beside it."""
+    shard = Path(shard)
+    read_header(shard)  # a corrupt shard is named as such, not as a bad id
+    key = _file_key(shard)
+    top = _cache_get(shard, key, "max_id")
+    if not isinstance(top, int):
+        top = _scan_max_id(shard)
+        _cache_put(shard, key, "max_id", top)
+    return top
+
+
+def check_token_ids(shards: list[Path], vocab_size: int) -> None:
+    """Refuse shards holding token ids the model's embedding cannot look up (ids >= vocab_size).
+
+    Without this, e.g. GPT-2-tokenized shards under a small-vocabulary model fail in the first
+    forward with a bare IndexError (or a device-side assert on CUDA) that names no file.
+    """
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    for shard in shards:
+        shard = Path(shard)
+        top = shard_max_id(shard)
+        if top >= vocab_size:
+            offset, tok = _first_at_least(shard, vocab_size)
+            raise DataError(f"{shard}: token id {tok} at offset {offset} is >= model.vocab_size {vocab_size} "
+                            f"(the shard's largest id is {top}; set model.vocab_size > {top} or use shards "
+                            f"made with the model's tokenizer)")
+
+
+def shard_sha256(shard: str | Path) -> str:
+    """sha256 of a shard file (streamed), cached beside it like the max id."""
+    shard = Path(shard)
+    key = _file_key(shard)
+    digest = _cache_get(shard, key, "sha256")
+    if not isinstance(digest, str):
+        h = hashlib.sha256()
+        with open(shard, "rb") as f:
+            while block := f.read(HASH_BLOCK):
+                h.update(block)
+        digest = h.hexdigest()
+        _cache_put(shard, key, "sha256", digest)
+    return digest
+
+
+def shard_manifest(shards: list[Path]) -> list[dict]:
+    """What a run read: {"name", "bytes", "sha256"} per shard, for env.json."""
+    return [{"name": Path(p).name, "bytes": Path(p).stat().st_size, "sha256": shard_sha256(p)} for p in shards]
+
+
 # ---------------------------------------------------------------- corpus preparation
 
 def _progress(iterable, total: int, desc: str, enabled: bool):
@@ -121,8 +245,18 @@ def prepare_corpus(files: list[Path], out_dir: str | Path, *, val_every: int = 2
     Every `val_every`-th document goes to val. Written to a temporary folder and renamed
     into place, so an interrupted prepare leaves no half-made corpus behind.
     """
+    # The split depends only on the file count: refuse before tokenizing anything.
+    if val_every < 2 or len(files) < val_every:
+        raise DataError(f"a corpus of {len(files)} file(s) is too small for a train/val split: every "
+                        f"{val_every}th file goes to val, so it needs at least {max(val_every, 2)} files")
     tok = ByteTokenizer()
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "meta.json").is_file():
+        # The output folder is replaced wholesale; never do that to a folder we did not make.
+        raise DataError(f"output folder {out_dir} is not empty and holds no prepared corpus (meta.json); "
+                        f"refusing to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     digest = hashlib.sha256()
@@ -150,8 +284,6 @@ def prepare_corpus(files: list[Path], out_dir: str | Path, *, val_every: int = 2
                 flush(split)
         flush("train", final=True)
         flush("val", final=True)
-        if counts["train"] == 0 or counts["val"] == 0:
-            raise DataError(f"corpus of {len(files)} files is too small for a train/val split")
         meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
                 "sha256": digest.hexdigest(), "num_files": len(files), "source": source,
                 "train_tokens": counts["train"], "val_tokens": counts["val"], "format": "llm.c .bin v1"}
@@ -222,7 +354,8 @@ class ShardLoader:
     of a shard it moves to the next one (wrapping around), restarting at offset B*T*rank.
     """
 
-    def __init__(self, shards: list[Path], B: int, T: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, shards: list[Path], B: int, T: int, rank: int = 0, world_size: int = 1, *,
+                 vocab_size: int | None = None):
         if not shards:
             raise DataError("no shards given to the loader")
         self.shards = [Path(p) for p in shards]
@@ -232,6 +365,8 @@ class ShardLoader:
             ntok = read_header(p)
             if ntok < need:
                 raise DataError(f"{p}: {ntok} tokens is too short for one step of B*T*world_size+1 = {need}")
+        if vocab_size is not None:
+            check_token_ids(self.shards, vocab_size)
         self.reset()
 
     def reset(self) -> None:
@@ -264,6 +399,12 @@ class ShardLoader:
             self.position = self.B * self.T * self.rank
 
 
+def _fail(message: str) -> None:
+    """A user error from the command line: one line on stderr, exit 2 (argparse's code), no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m blunb.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -271,21 +412,28 @@ def main(argv=None) -> None:
     p.add_argument("--src", help="folder of text files (*.txt, *.md, *.py); default: the stdlib corpus")
     p.add_argument("--out", help="output folder (default: the cache folder of the default corpus)")
     args = ap.parse_args(argv)
-    if args.src is None:
-        out = ensure_default_corpus() if args.out is None else None
-        if out is None:
-            files = stdlib_files()
-            prepare_corpus(files, args.out, source="python stdlib")
+    try:
+        if args.src is None:
+            if args.out is None:
+                out = ensure_default_corpus()
+            else:
+                prepare_corpus(stdlib_files(), args.out, source="python stdlib")
+                out = Path(args.out)
+        else:
+            src = Path(args.src)
+            if not src.exists():
+                _fail(f"--src folder not found: {src}")
+            if not src.is_dir():
+                _fail(f"--src must be a folder of text files, but {src} is a file")
+            if args.out is None:
+                _fail("--out is required with --src")
+            files = sorted(p for ext in ("*.txt", "*.md", "*.py") for p in src.rglob(ext))
+            if not files:
+                _fail(f"no *.txt, *.md or *.py files under {src}")
+            prepare_corpus(files, args.out, source=str(src))
             out = Path(args.out)
-    else:
-        src = Path(args.src)
-        files = sorted(p for ext in ("*.txt", "*.md", "*.py") for p in src.rglob(ext))
-        if not files:
-            raise SystemExit(f"no *.txt, *.md or *.py files under {src}")
-        if args.out is None:
-            raise SystemExit("--out is required with --src")
-        prepare_corpus(files, args.out, source=str(src))
-        out = Path(args.out)
+    except DataError as e:
+        _fail(str(e))
     print(json.dumps(corpus_meta(out), indent=2))
     print(out)
 

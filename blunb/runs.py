@@ -1,6 +1,6 @@
 """Run folders: where training writes, and how notebooks read them back into pandas.
 
-results/<study>/<run_id>/{config.json, env.json, metrics.csv, log.txt[, run.ipynb]}
+results/<study>/<run_id>/{config.json, env.json, metrics.csv, log.txt, status.json[, run.ipynb]}
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import csv
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
@@ -31,20 +33,52 @@ def results_root() -> Path:
     return Path(os.environ.get("BLUNB_RESULTS", repo_root() / "results"))
 
 
-def git_sha() -> str:
-    """HEAD of the checkout blunb runs from, with '-dirty' when it has uncommitted changes."""
+def _git(args: list[str], cwd) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def git_state(root: str | Path, max_files: int = 20) -> tuple[str, bool | None, list[str]]:
+    """(HEAD sha, dirty, up to `max_files` dirty paths) of the git checkout holding `root`.
+
+    Only tracked files outside results/ count as dirty: `make study` rewrites the committed
+    results/.../run.ipynb before training starts, which would otherwise mark every run dirty.
+    Outside a git checkout (or without git): ("unknown", None, []).
+    """
     try:
-        root = repo_root()
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        top = _git(["rev-parse", "--show-toplevel"], root).strip()
+        sha = _git(["rev-parse", "HEAD"], top).strip()
+        out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=no", "--", ".", ":(exclude)results"], top)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None, []
+    files, entries = [], iter(out.split("\0"))
+    for entry in entries:
+        if len(entry) < 4:
+            continue
+        files.append(entry[3:])
+        if entry[0] in "RC":  # -z puts a rename's source path in the next entry
+            next(entries, None)
+    return sha, bool(files), files[:max_files]
 
 
-def environment(world_size: int, device) -> dict:
+def git_sha() -> str:
+    """HEAD of the checkout blunb runs from (whether it is dirty is env.json's git_dirty)."""
+    return git_state(repo_root())[0]
+
+
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or None
+
+
+def environment(world_size: int, device, shards: list[Path] | None = None) -> dict:
+    """What env.json records. With `shards`, also each shard's name, size and sha256 (cached per file)."""
+    import numpy as np
     import torch
 
     try:
@@ -53,18 +87,68 @@ def environment(world_size: int, device) -> dict:
     except ImportError:
         triton_version = None
     dev = torch.device(device)
-    return {
+    sha, dirty, dirty_files = git_state(repo_root())
+    env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "world_size": world_size,
-        "git_sha": git_sha(),
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "git_dirty_files": dirty_files,
         "blunb": blunb.__version__,
         "platform": platform.platform(),
         "argv": sys.argv,
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "numpy": np.__version__,
+        "pandas": pd.__version__,
     }
+    if shards is not None:
+        from blunb.data import shard_manifest
+
+        env["shards"] = shard_manifest(shards)
+    return env
+
+
+# ---------------------------------------------------------------- status.json
+
+RUN_STATES = ("running", "completed", "failed", "killed")
+
+
+def write_status(run_dir: str | Path, state: str, steps_done: int, steps_total: int, error: str | None = None,
+                 **extra) -> None:
+    """Write <run_dir>/status.json atomically, so a reader never sees half a file."""
+    if state not in RUN_STATES:
+        raise ValueError(f"run state must be one of {', '.join(RUN_STATES)}, got {state!r}")
+    if "updated" in extra:
+        raise TypeError("write_status sets 'updated' itself")
+    status = {"state": state, "steps_done": int(steps_done), "steps_total": int(steps_total),
+              "error": None if error is None else str(error),
+              "updated": datetime.now().astimezone().isoformat(timespec="seconds"), **extra}
+    path = Path(run_dir) / "status.json"
+    tmp = path.with_name(f".status.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(status, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def read_status(run_dir: str | Path) -> dict | None:
+    """status.json of a run folder, or None where the run never wrote one (older runs)."""
+    path = Path(run_dir) / "status.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 class MetricsWriter:
@@ -91,6 +175,7 @@ class Run:
     config: dict
     env: dict
     metrics: pd.DataFrame
+    status: dict | None = None  # status.json; None for runs that predate it
 
     @property
     def run_id(self) -> str:
@@ -104,33 +189,50 @@ def load_run(path: str | Path) -> Run:
         raise FileNotFoundError(f"{path} is not a complete run folder: missing {', '.join(missing)}")
     metrics = pd.read_csv(path / "metrics.csv")
     return Run(path, json.loads((path / "config.json").read_text()), json.loads((path / "env.json").read_text()),
-               metrics)
+               metrics, read_status(path))
 
 
 def load_study(study_dir: str | Path) -> list[Run]:
-    """Every complete run folder directly under a study folder, sorted by name."""
+    """Every run folder (one with metrics.csv) directly under a study folder, sorted by name.
+
+    Unfinished and failed runs are included; summarize() flags them (status, complete).
+    """
     study_dir = Path(study_dir)
     return [load_run(p) for p in sorted(study_dir.iterdir()) if (p / "metrics.csv").is_file()]
 
 
 def summarize(runs: list[Run]) -> pd.DataFrame:
-    """One row per run: what was trained, on what, and how it ended."""
+    """One row per run: what was trained, on what, and how it ended.
+
+    Runs that did not finish are kept and flagged: `status` (status.json's state, "unknown"
+    without one), `steps_done` / `steps_total` and `complete`. A run that died before its
+    first step (header-only metrics.csv) has steps 0 and NaN losses.
+    """
+    nan = float("nan")
     rows = []
     for r in runs:
-        m, cfg = r.metrics, r.config
+        m, cfg, st = r.metrics, r.config, r.status or {}
         val = m["val_loss"].dropna()
+        steps = int(m["step"].max()) + 1 if m["step"].notna().any() else 0
         steady = m[m["step"] >= min(cfg.get("mfu_warmup", 5), len(m) - 1)]
+        state = st.get("state", "unknown")
+        steps_done = st.get("steps_done") if st.get("steps_done") is not None else steps
+        steps_total = st.get("steps_total") if st.get("steps_total") is not None else cfg.get("max_steps")
         rows.append({
             "run": r.run_id,
             "preset": cfg.get("preset"),
             "optimizer": cfg.get("optimizer"),
             "world_size": r.env.get("world_size"),
             "device": r.env.get("device"),
-            "steps": int(m["step"].max()) + 1,
-            "first_train_loss": float(m["train_loss"].iloc[0]),
-            "final_train_loss": float(m["train_loss"].iloc[-1]),
-            "final_val_loss": float(val.iloc[-1]) if len(val) else float("nan"),
-            "steady_tok_per_sec": float(steady["tok_per_sec"].median()),
-            "steady_mfu": float(steady["mfu"].median()) if steady["mfu"].notna().any() else float("nan"),
+            "steps": steps,
+            "first_train_loss": float(m["train_loss"].iloc[0]) if len(m) else nan,
+            "final_train_loss": float(m["train_loss"].iloc[-1]) if len(m) else nan,
+            "final_val_loss": float(val.iloc[-1]) if len(val) else nan,
+            "steady_tok_per_sec": float(steady["tok_per_sec"].median()) if len(steady) else nan,
+            "steady_mfu": float(steady["mfu"].median()) if steady["mfu"].notna().any() else nan,
+            "status": state,
+            "steps_done": steps_done,
+            "steps_total": steps_total,
+            "complete": bool(state == "completed" and steps_done == steps_total),
         })
     return pd.DataFrame(rows)

@@ -1,0 +1,119 @@
+import json
+import math
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from blunb.data import write_shard
+from blunb.runs import (
+    MetricsWriter,
+    Run,
+    environment,
+    git_state,
+    load_run,
+    load_study,
+    read_status,
+    summarize,
+    write_status,
+)
+
+
+def _run_folder(path, steps, max_steps=10, status=None):
+    """A run folder as train writes it: config, env, `steps` metric rows, optionally a status."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"preset": "tiny", "optimizer": "adamw", "max_steps": max_steps,
+                                                  "mfu_warmup": 2}))
+    (path / "env.json").write_text(json.dumps({"world_size": 1, "device": "cpu"}))
+    w = MetricsWriter(path / "metrics.csv", [])
+    for s in range(steps):
+        w.write({"step": s, "train_loss": 5.0 - s / 10, "val_loss": 4.0 if s == steps - 1 else None,
+                 "tok_per_sec": 1000.0, "grad_norm": 1.0, "dt_ms": 10.0, "lr": 1e-3, "elapsed_min": s / 60,
+                 "mfu": float("nan"), "mfu_palm": float("nan"), "tflops_per_gpu": 0.0})
+    w.close()
+    if status:
+        write_status(path, *status)
+    return path
+
+
+def test_status_round_trip_is_atomic(tmp_path):
+    assert read_status(tmp_path) is None
+    write_status(tmp_path, "running", 3, 10, world_size=2)
+    write_status(tmp_path, "failed", 4, 10, error=RuntimeError("boom"), world_size=2)
+    st = read_status(tmp_path)
+    assert {k: st[k] for k in ("state", "steps_done", "steps_total", "error", "world_size")} == {
+        "state": "failed", "steps_done": 4, "steps_total": 10, "error": "boom", "world_size": 2}
+    assert pd.Timestamp(st["updated"]).tzinfo is not None
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
+    with pytest.raises(ValueError, match="run state"):
+        write_status(tmp_path, "done", 1, 1)
+
+
+def test_load_run_attaches_status_and_run_stays_positional(tmp_path):
+    run = load_run(_run_folder(tmp_path / "a-s0", 10, status=("completed", 10, 10)))
+    assert run.status["state"] == "completed"
+    assert load_run(_run_folder(tmp_path / "b-s0", 3)).status is None
+    assert Run(tmp_path, {}, {}, pd.DataFrame()).status is None
+
+
+def test_summarize_flags_unfinished_runs_and_survives_header_only_metrics(tmp_path):
+    _run_folder(tmp_path / "done", 10, status=("completed", 10, 10))
+    _run_folder(tmp_path / "failed", 4, status=("failed", 4, 10, "non-finite loss"))
+    _run_folder(tmp_path / "no-status", 6)
+    _run_folder(tmp_path / "died-at-start", 0, max_steps=50)  # header-only metrics.csv
+    (tmp_path / "not-a-run").mkdir()
+    runs = load_study(tmp_path)
+    assert [r.run_id for r in runs] == ["died-at-start", "done", "failed", "no-status"]
+    s = summarize(runs).set_index("run")
+    assert list(s.columns[:10]) == ["preset", "optimizer", "world_size", "device", "steps", "first_train_loss",
+                                    "final_train_loss", "final_val_loss", "steady_tok_per_sec", "steady_mfu"]
+    assert s.loc["done", "complete"] and s.loc["done", "status"] == "completed"
+    assert s.loc["failed", ["status", "steps_done", "steps_total", "complete"]].tolist() == ["failed", 4, 10, False]
+    assert s.loc["no-status", ["status", "steps_done", "steps_total", "complete"]].tolist() == ["unknown", 6, 10,
+                                                                                                 False]
+    dead = s.loc["died-at-start"]
+    assert dead["steps"] == 0 and dead["steps_done"] == 0 and dead["steps_total"] == 50 and not dead["complete"]
+    assert all(math.isnan(dead[c]) for c in ("first_train_loss", "final_train_loss", "final_val_loss",
+                                             "steady_tok_per_sec", "steady_mfu"))
+    assert s.loc["done", "steps"] == 10 and s.loc["done", "final_val_loss"] == 4.0
+
+
+def _git(root, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+def test_git_state_ignores_changes_under_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # tmp_path is no checkout of its own
+    assert git_state(tmp_path) == ("unknown", None, [])
+    (tmp_path / "results" / "quickstart").mkdir(parents=True)
+    nb = tmp_path / "results" / "quickstart" / "run.ipynb"
+    nb.write_text("{}")
+    (tmp_path / "train.py").write_text("a = 1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "init")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.py").write_text("")
+    nb.write_text('{"papermill": 1}')
+    assert git_state(tmp_path) == (head, False, [])
+    (tmp_path / "train.py").write_text("a = 2\n")
+    assert git_state(tmp_path / "results") == (head, True, ["train.py"])  # any folder of the checkout
+    _git(tmp_path, "mv", "train.py", "main.py")  # a rename is one entry (two paths under -z)
+    assert git_state(tmp_path, max_files=5) == (head, True, ["main.py"])
+
+
+def test_environment_records_threads_versions_and_shards(tmp_path):
+    shard = tmp_path / "train_000000.bin"
+    write_shard(shard, np.arange(100))
+    env = environment(1, "cpu", shards=[shard])
+    for key in ("python", "torch", "triton", "cuda", "device", "world_size", "git_sha", "blunb", "platform", "argv",
+                "git_dirty", "git_dirty_files", "cpu", "cpu_count", "torch_threads", "torch_interop_threads",
+                "omp_num_threads", "numpy", "pandas", "hostname"):
+        assert key in env, key
+    assert not env["git_sha"].endswith("-dirty") and len(env["git_dirty_files"]) <= 20
+    assert env["torch_threads"] >= 1 and env["numpy"] == np.__version__ and env["pandas"] == pd.__version__
+    assert [s["name"] for s in env["shards"]] == ["train_000000.bin"] and len(env["shards"][0]["sha256"]) == 64
+    assert "shards" not in environment(1, "cpu")
+    json.dumps(env)
