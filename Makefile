@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: the quick-start study on the CPU (2 ranks, gloo), rendered into results/quickstart/.
+# publish True: only this target writes the committed results/<study>/ (the notebook's default is
+# results/scratch/<study>/, git-ignored).
 study: env
 	mkdir -p results/$(STUDY)/run0
 	$(PY) -m papermill notebooks/00_quickstart.ipynb results/$(STUDY)/run0/run.ipynb \
-		-p study $(STUDY) -p nproc $(NPROC) -k python3 --cwd notebooks
+		-p study $(STUDY) -p nproc $(NPROC) -p publish True -k python3 --cwd notebooks
 
 test: env
 	$(PY) -m pytest -q

@@ -10,11 +10,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 
 
 class ConfigError(ValueError):
     """A setting that cannot work, reported before any training starts."""
+
+
+def _check_finite(obj, prefix: str = "") -> None:
+    # Every float field, generically: NaN slips through every `<=` check below (max_lr=nan
+    # passed validation and died at step 1), so reject non-finite values up front.
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value}")
+
+
+def _parse_faults(name: str, spec: str) -> set[tuple[int, int]]:
+    """'STEP:RANK[,STEP:RANK...]' -> {(step, rank)}; '' -> empty."""
+    out: set[tuple[int, int]] = set()
+    if not spec.strip():
+        return out
+    for item in spec.split(","):
+        step_txt, _, rank_txt = item.strip().partition(":")
+        try:
+            step, rank = int(step_txt), int(rank_txt)
+        except ValueError:
+            raise ConfigError(f"{name} must be STEP:RANK[,STEP:RANK...] with integer STEP and RANK, "
+                              f"got {item.strip()!r} in {spec!r}") from None
+        if step < 0 or rank < 0:
+            raise ConfigError(f"{name}: STEP and RANK must be >= 0, got {item.strip()!r}")
+        out.add((step, rank))
+    return out
+
+
+def _check_lr_pair(hi_name: str, hi: float, lo_name: str, lo: float) -> None:
+    if lo < 0 or hi <= 0 or lo > hi:
+        raise ConfigError(f"need 0 <= {lo_name} <= {hi_name} and {hi_name} > 0, got {lo_name}={lo}, {hi_name}={hi}")
 
 
 @dataclass
@@ -40,6 +73,7 @@ class ModelConfig:
     linear_dtype: str = "auto"
 
     def validate(self) -> None:
+        _check_finite(self, "model.")
         for name in ("d_model", "n_layers", "q_heads", "kv_heads", "head_dim", "ffn_hidden",
                      "context_length", "vocab_size"):
             if getattr(self, name) <= 0:
@@ -96,6 +130,13 @@ class TrainConfig:
     global_clip_strict: bool = False  # derive it from the full norm, not the covered part
     diag: bool = False              # check replicas are bit-identical at every validation
     max_consecutive_skips: int = 20  # stop the run after this many skipped (non-finite) steps in a row
+    # "step": a non-finite gradient norm in any group skips the whole step on every rank;
+    # "group": the reference trainer's per-group skip (the other groups still step).
+    nan_policy: str = "step"
+    fault_nan_grad: str = ""        # testing aid: "STEP:RANK[,...]" poisons that rank's gradient on that step
+    fault_stall: str = ""           # testing aid: "STEP:RANK[,...]" SIGSTOPs that rank at the start of that step
+    collective_timeout_s: float = 600.0  # every collective's timeout (torch's default is 30 minutes)
+    val_tokens: int = 0             # validation tokens, split across ranks; 0: val_loss_steps * B * T
     val_freq: int = 250
     val_loss_steps: int = 20
     seed: int = 1337
@@ -109,6 +150,7 @@ class TrainConfig:
 
     def validate(self, world_size: int = 1) -> None:
         self.model.validate()
+        _check_finite(self)
         for name in ("B", "T", "global_batch", "max_steps", "val_freq", "val_loss_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -124,7 +166,8 @@ class TrainConfig:
             raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
                               f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
         choices = {"optimizer": ("adamw", "muon", "ddp_adamw"), "collective": ("rs_ag", "reduce_bcast"),
-                   "reduce_dtype": ("param", "fp32", "bf16"), "muon_adjust_lr": ("match_rms_adamw", "original")}
+                   "reduce_dtype": ("param", "fp32", "bf16"), "muon_adjust_lr": ("match_rms_adamw", "original"),
+                   "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -134,8 +177,42 @@ class TrainConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        if self.min_lr < 0 or self.max_lr <= 0 or self.min_lr > self.max_lr:
-            raise ConfigError(f"need 0 <= min_lr <= max_lr and max_lr > 0, got {self.min_lr}, {self.max_lr}")
+        _check_lr_pair("max_lr", self.max_lr, "min_lr", self.min_lr)
+        _check_lr_pair("muon_lr", self.muon_lr, "muon_min_lr", self.muon_min_lr)
+        for name in ("weight_decay", "muon_weight_decay", "grad_clip"):  # grad_clip 0 = off
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if self.val_tokens < 0:
+            raise ConfigError(f"val_tokens must be >= 0 (0 = val_loss_steps * B * T), got {self.val_tokens}")
+        for name in ("fault_nan_grad", "fault_stall"):
+            for step, rank in _parse_faults(name, getattr(self, name)):
+                if rank >= world_size:
+                    raise ConfigError(f"{name}: rank {rank} (step {step}) does not exist at world_size {world_size}")
+        if self.optimizer == "muon" and (self.overlap_backward or self.overlap_refresh):
+            raise ConfigError("overlap_backward / overlap_refresh are not implemented for optimizer=muon yet")
+        if self.optimizer == "ddp_adamw":
+            # DDP never reads the ZeRO-1 switches: an A/B run with one set would silently measure nothing.
+            defaults = {f.name: f.default for f in fields(TrainConfig)}
+            ignored = [f"{k}={getattr(self, k)!r}" for k in _ZERO_ONLY if getattr(self, k) != defaults[k]]
+            if ignored:
+                raise ConfigError(f"optimizer=ddp_adamw would ignore these ZeRO-1 switches: {', '.join(ignored)}; "
+                                  "reset them or use optimizer=adamw")
+
+    def fault_nan_grad_at(self) -> set[tuple[int, int]]:
+        """The (step, rank) pairs whose gradient fault_nan_grad poisons."""
+        return _parse_faults("fault_nan_grad", self.fault_nan_grad)
+
+    def fault_stall_at(self) -> set[tuple[int, int]]:
+        """The (step, rank) pairs that fault_stall SIGSTOPs."""
+        return _parse_faults("fault_stall", self.fault_stall)
+
+    def resolved_val_tokens(self) -> int:
+        """Validation tokens over all ranks, a whole number of sequences (>= 1). The default does not
+        depend on world size, so val_loss measures the same tokens at every W."""
+        n = self.val_tokens or self.val_loss_steps * self.B * self.T
+        return max(self.T, n // self.T * self.T)
 
     def rescale_schedule(self, max_steps: int) -> None:
         """The seed's BLU_MAX_STEPS: warmup N/10, stable N/2, cosine decay over the rest."""
@@ -157,6 +234,11 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# TrainConfig switches only the ZeRO-1 optimizers read (optimizer=ddp_adamw rejects them).
+_ZERO_ONLY = ("collective", "reduce_dtype", "overlap_backward", "overlap_refresh", "bucket_mb", "global_clip",
+              "global_clip_strict")
 
 
 def _tiny() -> TrainConfig:

@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from blunb.config import ModelConfig
+from blunb.config import ConfigError, ModelConfig
 
 # Dense bf16 tensor-core TFLOP/s per GPU, matched by substring of the device name, in order.
 PEAK_BF16_TFLOPS = (
@@ -29,6 +29,21 @@ PEAK_BF16_TFLOPS = (
     ("A100", 312.0),
     ("A800", 312.0),
 )
+
+
+def peak_tflops_from_env(environ=None) -> float | None:
+    """BLUNB_PEAK_TFLOPS as a positive finite float, None when unset or empty. A bad value is a
+    ConfigError here, before training: -5 used to produce negative MFU, 'abc' a crash mid-setup."""
+    raw = (os.environ if environ is None else environ).get("BLUNB_PEAK_TFLOPS")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"BLUNB_PEAK_TFLOPS must be a positive number of dense bf16 TFLOP/s per GPU, got {raw!r}")
+    return value
 
 
 def lookup_peak_tflops(device_name: str) -> float | None:
@@ -73,9 +88,9 @@ class MFUMeter:
             device_name = _current_device_name()
         source = "argument"
         if peak_tflops is None:
-            env = os.environ.get("BLUNB_PEAK_TFLOPS")
-            if env:
-                peak_tflops, source = float(env), "BLUNB_PEAK_TFLOPS"
+            env = peak_tflops_from_env()
+            if env is not None:
+                peak_tflops, source = env, "BLUNB_PEAK_TFLOPS"
             else:
                 peak_tflops = lookup_peak_tflops(device_name)
                 source = "table" if peak_tflops is not None else "unknown"

@@ -1,9 +1,12 @@
+import json
+import re
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
-from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
+from blunb.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, preset
 
 
 def test_presets_validate_and_match_the_seed():
@@ -84,3 +87,118 @@ def test_cli_reports_config_errors_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert "kv_heads" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def _float_fields():
+    cfg = preset("tiny")
+    train = [f.name for f in fields(TrainConfig) if isinstance(getattr(cfg, f.name), float)]
+    model = [f"model.{f.name}" for f in fields(ModelConfig) if isinstance(getattr(cfg.model, f.name), float)]
+    return train + model
+
+
+def test_every_float_setting_is_covered():
+    # the generic check must reach fields added later too: these are just the ones known today
+    assert {"max_lr", "grad_clip", "bucket_mb", "collective_timeout_s", "model.rope_theta", "model.rms_eps"} <= \
+        set(_float_fields())
+
+
+@pytest.mark.parametrize("name", _float_fields())
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_floats_are_rejected_by_name(name, value):
+    cfg = apply_overrides(preset("tiny"), [f"{name}={value}"])
+    with pytest.raises(ConfigError, match=f"{re.escape(name)} must be a finite number"):
+        cfg.validate(world_size=1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["weight_decay=-0.1"], "weight_decay must be >= 0"),
+    (["muon_weight_decay=-0.1"], "muon_weight_decay must be >= 0"),
+    (["grad_clip=-1"], "grad_clip must be >= 0"),
+    (["muon_lr=0"], "muon_lr > 0"),
+    (["muon_min_lr=-1e-5"], "0 <= muon_min_lr"),
+    (["muon_lr=1e-3", "muon_min_lr=2e-3"], "muon_min_lr <= muon_lr"),
+    (["min_lr=1e-2"], "min_lr <= max_lr"),
+    (["optimizer=muon", "overlap_backward=true"], "not implemented for optimizer=muon yet"),
+    (["optimizer=muon", "overlap_refresh=true"], "not implemented for optimizer=muon yet"),
+    (["nan_policy=ignore"], "nan_policy must be one of"),
+    (["collective_timeout_s=0"], "collective_timeout_s must be positive"),
+    (["val_tokens=-1"], "val_tokens must be >= 0"),
+])
+def test_more_validation_errors(overrides, message):
+    cfg = apply_overrides(preset("tiny"), overrides)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate(world_size=1)
+
+
+def test_zero_grad_clip_stays_off_and_new_settings_validate():
+    cfg = apply_overrides(preset("tiny"), ["grad_clip=0", "weight_decay=0", "muon_weight_decay=0", "nan_policy=group",
+                                           "collective_timeout_s=60", "val_tokens=1000"])
+    cfg.validate(world_size=1)
+    assert (cfg.nan_policy, cfg.collective_timeout_s, cfg.val_tokens) == ("group", 60.0, 1000)
+
+
+@pytest.mark.parametrize("switch", ["collective=reduce_bcast", "reduce_dtype=fp32", "overlap_backward=true",
+                                    "overlap_refresh=true", "bucket_mb=25", "global_clip=true",
+                                    "global_clip_strict=true"])
+def test_ddp_adamw_rejects_each_zero_only_switch(switch):
+    cfg = apply_overrides(preset("tiny"), ["optimizer=ddp_adamw", switch])
+    with pytest.raises(ConfigError, match=f"optimizer=ddp_adamw would ignore .*{switch.split('=')[0]}="):
+        cfg.validate(world_size=1)
+
+
+def test_ddp_adamw_lists_every_ignored_switch_and_accepts_defaults():
+    cfg = apply_overrides(preset("tiny"), ["optimizer=ddp_adamw", "bucket_mb=50", "collective=rs_ag"])
+    cfg.validate(world_size=2)  # set explicitly, but to the defaults: nothing is ignored
+    cfg = apply_overrides(cfg, ["global_clip=true", "reduce_dtype=bf16"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(world_size=2)
+    assert "reduce_dtype='bf16'" in str(info.value) and "global_clip=True" in str(info.value)
+    assert "collective" not in str(info.value)
+
+
+def test_fault_specs_parse_and_validate_against_world_size():
+    cfg = apply_overrides(preset("tiny"), ["fault_nan_grad=3:1,5:0", "fault_stall= 7:1 "])
+    cfg.validate(world_size=2)
+    assert cfg.fault_nan_grad_at() == {(3, 1), (5, 0)} and cfg.fault_stall_at() == {(7, 1)}
+    assert preset("tiny").fault_nan_grad_at() == set() == preset("tiny").fault_stall_at()
+    with pytest.raises(ConfigError, match="fault_nan_grad: rank 1 .* world_size 1"):
+        cfg.validate(world_size=1)
+
+
+@pytest.mark.parametrize("name", ["fault_nan_grad", "fault_stall"])
+@pytest.mark.parametrize("spec, message", [
+    ("3", "STEP:RANK"), ("a:1", "STEP:RANK"), ("3:1:2", "STEP:RANK"), ("3:1,", "STEP:RANK"), ("1.5:0", "STEP:RANK"),
+    ("-1:0", ">= 0"), ("3:-1", ">= 0"), ("3:4", "world_size 4"),
+])
+def test_bad_fault_specs_are_named(name, spec, message):
+    cfg = apply_overrides(preset("tiny"), [f"{name}={spec}"])
+    with pytest.raises(ConfigError, match=f"{name}.*{message}"):
+        cfg.validate(world_size=4)
+
+
+def test_resolved_val_tokens():
+    cfg = preset("tiny")  # val_loss_steps 4, B 8, T 128
+    assert cfg.resolved_val_tokens() == 4 * 8 * 128
+    cfg.validate(world_size=4)  # independent of world size: nothing in it reads W
+    assert cfg.resolved_val_tokens() == 4096
+    for given, expected in [(1000, 896), (4096, 4096), (10, 128)]:
+        cfg.val_tokens = given
+        assert cfg.resolved_val_tokens() == expected
+
+
+def test_old_config_json_without_the_new_keys_loads():
+    old = json.loads(preset("tiny").to_json())
+    for key in ("nan_policy", "fault_nan_grad", "fault_stall", "collective_timeout_s", "val_tokens"):
+        del old[key]
+    cfg = TrainConfig.from_dict(old)
+    assert (cfg.nan_policy, cfg.fault_nan_grad, cfg.collective_timeout_s, cfg.val_tokens) == ("step", "", 600.0, 0)
+    cfg.validate(world_size=2)
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "nan", "inf"])
+def test_bad_peak_tflops_env_is_a_config_error_when_the_meter_is_built(monkeypatch, value):
+    from blunb.mfu import MFUMeter
+
+    monkeypatch.setenv("BLUNB_PEAK_TFLOPS", value)
+    with pytest.raises(ConfigError, match="BLUNB_PEAK_TFLOPS"):
+        MFUMeter.build(preset("tiny").model, seq_len=128, device_name="cpu")

@@ -132,3 +132,38 @@ def test_rejects_bad_arguments(monkeypatch):
         NewtonSchulz(coefficients=(1.0, 2.0))
     monkeypatch.setenv("BLUNB_NS_GRAPHS", "0")
     assert not graphs_enabled() and not NewtonSchulz().graphs
+
+
+def test_parameters_without_grad_are_not_stepped_like_torch():
+    """A matrix or an aux tensor whose .grad is None keeps its weight, momentum / moments and
+    step count, as torch.optim.Muon and torch.optim.AdamW do; the others still match them."""
+    torch.manual_seed(0)
+    M = [nn.Parameter(torch.randn(8, 12) * 0.5), nn.Parameter(torch.randn(12, 8) * 0.5)]
+    A = [nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(5, 4))]
+    Mr, Ar = [nn.Parameter(p.detach().clone()) for p in M], [nn.Parameter(p.detach().clone()) for p in A]
+    opt = ShardedMuon([{"params": M, "use_muon": True}, {"params": A, "use_muon": False}], lr=0.02,
+                      adamw_lr=0.01, verbose=False)
+    ref_muon = torch.optim.Muon(Mr, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                                adjust_lr_fn="match_rms_adamw")
+    ref_adamw = torch.optim.AdamW([{"params": [Ar[1]], "weight_decay": 0.1}, {"params": [Ar[0]], "weight_decay": 0.0}],
+                                  lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(3):
+        unused = {0, 3} if step == 1 else set()    # step 1: M[0] and A[1] get no gradient
+        for k, (p, r) in enumerate(zip(M + A, Mr + Ar)):
+            if k not in unused:
+                g = torch.randn_like(p)
+                p.grad, r.grad = g.clone(), g.clone()
+        before = [p.detach().clone() for p in M + A]
+        opt.step()
+        ref_muon.step()
+        ref_adamw.step()
+        opt.zero_grad()
+        ref_muon.zero_grad()
+        ref_adamw.zero_grad()
+        if unused:
+            assert torch.equal(M[0].detach(), before[0]) and torch.equal(A[1].detach(), before[3])
+        for p, r in zip(M, Mr):
+            assert float((p - r).norm() / r.norm()) < 1e-2   # bf16 Newton-Schulz
+        for p, r in zip(A, Ar):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+    assert [float(opt.state[p]["adamw_step"]) for p in A] == [3.0, 2.0]

@@ -19,5 +19,5 @@ def test_notebook_runs_and_checked_outputs_match(notebook, tmp_path):
                            "--nbval-cell-timeout=900", str(REPO / "notebooks" / notebook)],
                           capture_output=True, text=True, env=env, cwd=REPO / "notebooks", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert (tmp_path / "quickstart" / "summary.csv").is_file()
-    assert (tmp_path / "quickstart" / "curves.png").is_file()
+    assert (tmp_path / "scratch" / "quickstart" / "summary.csv").is_file()
+    assert (tmp_path / "scratch" / "quickstart" / "curves.png").is_file()

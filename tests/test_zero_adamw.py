@@ -35,12 +35,41 @@ def test_single_process_without_process_group_matches_adamw():
             p.grad.copy_(g)
             r.grad = g.clone()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)
         torch.nn.utils.clip_grad_norm_(ref, 0.5)
         ref_opt.step()
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
         assert all(p.grad is not None and not p.grad.any() for p in params)
+
+
+def test_parameters_without_grad_are_not_stepped_like_torch():
+    """A .grad of None (zero_grad() then a backward that never reaches the tensor) leaves the
+    parameter, its moments and its step count alone, exactly as torch.optim.AdamW does."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7)), nn.Parameter(torch.randn(4, 2))]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = ShardedAdamW(params, lr=1e-2)
+    ref_opt = torch.optim.AdamW([{"params": [ref[0], ref[2]]}, {"params": [ref[1]], "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(4):
+        unused = {1: 2, 2: 0}.get(step)     # which tensor backward does not reach this step
+        for k, (p, r) in enumerate(zip(params, ref)):
+            if k != unused:
+                g = torch.randn_like(p)
+                (p * g).sum().backward()
+                r.grad = g.clone()
+        before = params[unused].detach().clone() if unused is not None else None
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if unused is not None:
+            assert torch.equal(params[unused].detach(), before), "a parameter without .grad moved"
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        assert all(p.grad is None for p in params)
+    assert opt._steps.tolist() == [3.0, 4.0, 3.0]  # each tensor counts its own steps, as torch
 
 
 def test_replaced_grads_are_adopted():

@@ -1,5 +1,6 @@
 """Optimizers and schedules: ZeRO-1 ShardedAdamW, ShardedMuon, the WSD schedule."""
 
+from blunb.optim import collectives  # noqa: F401  (first, before any process group: see its docstring)
 from blunb.optim.clip import ClipStats
 from blunb.optim.schedule import wsd_lr
 

@@ -11,6 +11,11 @@
 Clipping: each group clips on its own exact norm; with global_clip one coefficient for all
 groups, derived from the norm of what it scales (covered) unless global_clip_strict. Muon's
 orthogonalized matrices are never clipped.
+
+Skipping: with nan_policy="step" (the default, the AMP / DeepSpeed rule) a non-finite gradient
+norm in any group skips the whole step in every group on every rank; nan_policy="group" is the
+reference trainer's rule (only the group whose norm is non-finite skips; with global_clip the
+global norm decides for all).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from blunb.config import ConfigError, TrainConfig
+from blunb.config import TrainConfig
 from blunb.optim.schedule import wsd_lr
 
 _DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -60,11 +65,11 @@ class DDPAdamW:
 
     def step(self) -> dict:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        if torch.isfinite(norm):
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if math.isfinite(norm):  # one optimizer: a skipped step is skipped everywhere
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "skipped": int(not torch.isfinite(norm))}
+        return {"grad_norm": norm, "skipped": int(not math.isfinite(norm)), "skipped_groups": []}
 
     def drain(self) -> None:
         pass
@@ -145,20 +150,28 @@ class ZeroOptimizers:
         opts = [opt for _, opt, _ in self.groups]
         gclip = global_clip(opts, self.cfg.grad_clip, strict=self.cfg.global_clip_strict) \
             if self.cfg.global_clip and self.cfg.grad_clip > 0 else None
+        if gclip is None and self.cfg.nan_policy == "step" and len(opts) > 1:
+            # Every group's norm first, then one verdict for all of them (sync-free).
+            found = torch.stack([~torch.isfinite(opt.reduce_and_measure()[0]) for opt in opts]).any()
+            for opt in opts:
+                opt.set_external_clip_coef(None, found)
         for opt in opts:
             opt.step()
+        n = len(opts)
         norms = torch.stack([opt.clip_stats.total_norm for opt in opts]).float()
-        skipped = torch.stack([opt.clip_stats.found_inf for opt in opts]).any()
-        host = torch.cat([norms, skipped.float()[None]] + ([gclip.clip_coef.float()[None]] if gclip else [])).tolist()
-        out = {"grad_norm": math.sqrt(sum(n * n for n in host[:len(opts)])), "skipped": int(host[len(opts)])}
-        out["group_norms"] = {f"G{i}({name})": host[i] for i, (name, _, _) in enumerate(self.groups)}
+        skipped = torch.stack([opt.clip_stats.found_inf for opt in opts]).float()
+        host = torch.cat([norms, skipped] + ([gclip.clip_coef.float()[None]] if gclip else [])).tolist()
+        names = [f"G{i}({name})" for i, (name, _, _) in enumerate(self.groups)]
+        out = {"grad_norm": math.sqrt(sum(v * v for v in host[:n])), "skipped": int(any(host[n:2 * n])),
+               "skipped_groups": [name for name, s in zip(names, host[n:2 * n]) if s]}
+        out["group_norms"] = dict(zip(names, host[:n]))
         if gclip is not None:
             out["global_clip"] = host[-1]
         if self.muon is not None:
             out["nsrej"] = (self.muon.ns_rejected_last_step, self.muon.rejected_ns_updates)
             out["nsratio"] = self.muon.ns_max_update_ratio
-        for opt in opts:
-            opt.zero_grad()
+        for opt in opts:  # keep the flat-buffer views: every BLU parameter gets a gradient each step
+            opt.zero_grad(set_to_none=False)
         return out
 
     def drain(self) -> None:
@@ -167,10 +180,9 @@ class ZeroOptimizers:
 
 
 def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
+    """The optimizer set for cfg.optimizer (cfg.validate has rejected impossible combinations)."""
     if cfg.optimizer == "ddp_adamw":
         return DDPAdamW(model, cfg, device, world_size)
-    if cfg.optimizer == "muon" and (cfg.overlap_backward or cfg.overlap_refresh):
-        raise ConfigError("overlap_backward / overlap_refresh are implemented for optimizer=adamw only")
     return ZeroOptimizers(model, cfg, device, world_size)
 
 

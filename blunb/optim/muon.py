@@ -15,7 +15,8 @@ updated parameter published to every rank. Two collective layouts:
       rank's k-th sub-chunk, each padded to the bucket's largest, so shard boundaries
       fall on tensor boundaries. One reduce-scatter + one all-gather per bucket.
   "reduce_bcast": reduce-to-owner + broadcast per tensor (the simple reference path).
-A parameter whose .grad is None is stepped with a zero gradient (the layout is fixed).
+A parameter whose .grad is None on its owner is not stepped, as in torch: its master,
+momentum or moments and its step count stay as they were (the buckets still carry zeros).
 
 Update on matrices = torch.optim.Muon(lr, momentum, nesterov, ns_steps, weight_decay,
 adjust_lr_fn=adjust_lr) on the averaged gradient: momentum lerp, Nesterov, NS in bf16
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
 from blunb.optim.newton_schulz import NewtonSchulz
 
@@ -92,6 +94,7 @@ class _ShapeGroup:
     tall: list = field(default_factory=list)      # stored [cols, rows]: transposed into the batch
     ratios: list = field(default_factory=list)    # adjust_lr multiplier per matrix
     ratio_t: torch.Tensor | None = None
+    has_grad_t: torch.Tensor | None = None        # all True: the common case needs no host->device copy
 
 
 @dataclass
@@ -183,16 +186,16 @@ class ShardedMuon(torch.optim.Optimizer):
         for p in self._owned_muon:
             self.state[p] = {"master": p.detach().float().clone(),
                              "momentum_buffer": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
-        self._aux_step = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self._owned_aux:
+        for p in self._owned_aux:  # each with its own step count, as torch.optim.AdamW
             self.state[p] = {"master": p.detach().float().clone(),
                              "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
                              "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
-                             "adamw_step": self._aux_step}
+                             "adamw_step": torch.zeros((), dtype=torch.float32, device=p.device)}
 
         self._groups = self._shape_groups(adjust_lr)
         self._buckets = self._build_buckets(target_buckets) if collective == "rs_ag" and self.world > 1 else []
         self._own_grad: dict[torch.Tensor, torch.Tensor] = {}
+        self._no_grad: set[torch.Tensor] = set()   # owned tensors whose .grad was None at the reduce
         self._reduced = False
         self._external_coef = self._external_found_inf = None
         zero = lambda: torch.zeros((), dtype=torch.float32, device=self.device)  # noqa: E731
@@ -234,6 +237,7 @@ class ShardedMuon(torch.optim.Optimizer):
             g.ratios.append(adjust_lr_ratio(p.shape, adjust_lr))
         for g in groups.values():
             g.ratio_t = torch.tensor(g.ratios, dtype=torch.float32, device=self.device)
+            g.has_grad_t = torch.ones(len(g.params), dtype=torch.bool, device=self.device)
         return list(groups.values())
 
     def _build_buckets(self, target: int) -> list[_Bucket]:
@@ -360,13 +364,14 @@ class ShardedMuon(torch.optim.Optimizer):
         sq_norm_covered), 0-dim fp32 device tensors summed over ranks (covered = the
         aux-AdamW part, the only part the clip scales). The next step() reuses this."""
         W = self.world
+        self._no_grad = {p for p in self._owned_muon + self._owned_aux if p.grad is None}
         if W == 1:
             self._own_grad = {p: self._grad(p) for p in self._owned_muon + self._owned_aux}
         elif self.collective == "rs_ag":
             self._own_grad = {}
             for b in self._buckets:  # every bucket holds some rank's tensors, so never empty
                 torch._foreach_copy_(b.views, [self._grad(p) for p in b.params])
-                dist.reduce_scatter_tensor(b.own, b.flat, op=dist.ReduceOp.SUM, group=self.process_group)
+                collectives.reduce_scatter(b.own, b.flat, op=dist.ReduceOp.SUM, group=self.process_group)
                 b.own.mul_(1.0 / W)
                 self._own_grad.update(zip(b.own_params, b.own_views))
         else:
@@ -431,11 +436,11 @@ class ShardedMuon(torch.optim.Optimizer):
         if self.world > 1:
             both = torch.stack([rejected, ratio])
             gathered = torch.empty(self.world * 2, dtype=torch.float32, device=self.device)
-            dist.all_gather_into_tensor(gathered, both, group=self.process_group)
+            collectives.all_gather(gathered, both, group=self.process_group)
             rejected, ratio = gathered[0::2].sum(), gathered[1::2].max()
         self._rejected_last, self._ratio_last = rejected, ratio
         self._rejected_total += rejected
-        self._own_grad = {}
+        self._own_grad, self._no_grad = {}, set()
         return loss
 
     def _muon_step(self, found_inf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,7 +452,13 @@ class ShardedMuon(torch.optim.Optimizer):
         ratio = torch.zeros((), dtype=torch.float32, device=self.device)
         for sg in self._groups:
             stage = self.ns.stage(len(sg.params), sg.rows, sg.cols, self.device)
+            has_grad = sg.has_grad_t
+            if self._no_grad.intersection(sg.params):
+                has_grad = torch.tensor([p not in self._no_grad for p in sg.params]).to(self.device, non_blocking=True)
             for i, (p, tall) in enumerate(zip(sg.params, sg.tall)):
+                if p in self._no_grad:       # not stepped: its momentum stays, its update is dropped below
+                    stage[i].zero_()
+                    continue
                 buf = self.state[p]["momentum_buffer"]
                 # a NaN must not reach the momentum: it would persist forever. A [1]-shaped fp32
                 # zero promotes a bf16 grad to fp32 in the same pass.
@@ -461,9 +472,9 @@ class ShardedMuon(torch.optim.Optimizer):
             U = self.ns.run(stage)
             good = torch.linalg.vector_norm(U, ord=math.inf, dim=(-2, -1)) <= GUARD_MAX_ABS  # NaN -> False
             fro = torch.linalg.vector_norm(U, dim=(-2, -1), dtype=torch.float32)
-            rejected = rejected + (~good).sum()
-            ratio = torch.maximum(ratio, torch.where(good, fro / math.sqrt(sg.rows), 0.0).amax())
-            apply = good & keep
+            rejected = rejected + (~good & has_grad).sum()
+            ratio = torch.maximum(ratio, torch.where(good & has_grad, fro / math.sqrt(sg.rows), 0.0).amax())
+            apply = good & keep & has_grad
             decay = torch.where(apply, 1.0 - lr * wd, 1.0)
             scale = torch.where(apply, sg.ratio_t * -lr, 0.0)
             U = torch.where(apply[:, None, None], U, 0.0)
@@ -479,18 +490,20 @@ class ShardedMuon(torch.optim.Optimizer):
         group = self.param_groups[1]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         keep = (~found_inf).float()
-        # Device-side step count and factors: a skipped step (keep = 0) changes nothing.
-        self._aux_step += keep
-        step = self._aux_step.clamp(min=1.0)
+        # Device-side step counts and factors: a skipped step (keep = 0) changes nothing.
         lr_t = keep * lr
-        step_size = -lr_t / (1 - beta1 ** step)
-        bias2_sqrt = (1 - beta2 ** step).sqrt()
         w1 = keep * (1 - beta1)
         b2 = 1 - keep * (1 - beta2)
         decay = 1 - lr_t * wd
         for p in self._owned_aux:
+            if p in self._no_grad:
+                continue
             st = self.state[p]
             master, m, v = st["master"], st["exp_avg"], st["exp_avg_sq"]
+            st["adamw_step"] += keep
+            step = st["adamw_step"].clamp(min=1.0)
+            step_size = -lr_t / (1 - beta1 ** step)
+            bias2_sqrt = (1 - beta2 ** step).sqrt()
             g = torch.where(found_inf, 0.0, self._own_grad[p].float() * coef)
             if p.ndim >= 2:
                 master.mul_(decay)
@@ -515,14 +528,14 @@ class ShardedMuon(torch.optim.Optimizer):
         for b in self._buckets:
             if b.own_params:
                 torch._foreach_copy_(b.own_views, [self.state[p]["master"] for p in b.own_params])
-            dist.all_gather_into_tensor(b.flat, b.own, group=self.process_group)
+            collectives.all_gather(b.flat, b.own, group=self.process_group)
             torch._foreach_copy_([p.data for p in b.params], b.views)
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict) -> None:
         """torch casts loaded state to each param's dtype, which would round the fp32
         masters of bf16 params; ours is fp32 by design, so it is restored from the
-        incoming dict itself, and the aux step counter is shared again."""
+        incoming dict itself."""
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -530,7 +543,5 @@ class ShardedMuon(torch.optim.Optimizer):
             if i in state_dict["state"]:
                 self.state[p] = {k: v.detach().to(self.device, torch.float32, copy=True)
                                  for k, v in state_dict["state"][i].items()}
-        if self._owned_aux:
-            self._aux_step = self.state[self._owned_aux[0]]["adamw_step"].reshape(())
-            for p in self._owned_aux:
-                self.state[p]["adamw_step"] = self._aux_step
+        for p in self._owned_aux:
+            self.state[p]["adamw_step"] = self.state[p]["adamw_step"].reshape(())

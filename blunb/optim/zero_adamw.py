@@ -28,20 +28,28 @@ Per step (no host sync anywhere on this path):
 Gradients live in a flat buffer too (each `p.grad` is a view into it), so backward
 accumulates straight into the reduce input. After step() the .grad values outside this
 rank's chunks are collective scratch: read gradient norms from `clip_stats`.
+
+A parameter whose .grad is None at step() (zero_grad() sets them to None, as torch does, and
+backward never reached it) is not stepped, as in torch.optim.AdamW: no decay, no moment update,
+its own step count unchanged. The owner of a chunk decides from its own .grad. A gradient that
+autograd allocates anew is copied into the flat buffer by the parameter's hook, so later
+micro-steps accumulate in place; zero_grad(set_to_none=False) keeps the views and skips that copy.
+
+Hooks hold the optimizer weakly: dropping it frees it (and its buffers) at once, no cycle.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
 
 _COLLECTIVES = ("rs_ag", "reduce_bcast")
-# torch 2.13 renamed the flat-tensor collectives; 2.11 (the GPU stack) only has the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_DTYPES = {"param": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -109,7 +117,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._build_update_lists()
 
         self.clip_stats: ClipStats | None = None
-        self._step = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._steps = torch.zeros(len(plist), dtype=torch.float32, device=self.device)  # per parameter, as torch
+        self._step_views = list(self._steps.unbind())
         self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         self._ext_coef = self._ext_found_inf = None
         self._measured = None        # this step's ||avg grad||^2 once its grads are reduced
@@ -117,11 +126,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._grad_works: list = []
         self._pending_publish: list = []   # per publish position: async works not yet waited for
         self._installed = 0                # publish positions installed so far
+        self._has_grad = [True] * len(plist)   # host-side, from .grad at the last _adopt_grads()
 
-        if self.overlap_backward:
-            self._bucket_of = {id(p): b for b, idx in enumerate(self._buckets) for p in (plist[i] for i in idx)}
-            for i, p in enumerate(plist):
-                p.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+        self._hook_handles: list = []
+        self._bucket_of = {id(p): b for b, idx in enumerate(self._buckets) for p in (plist[i] for i in idx)}
+        for i, p in enumerate(plist):
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self, "_on_grad", i)))
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         if overlap_refresh:
             if stages is None:
                 raise ValueError("overlap_refresh=True needs stages= (the model, or a list of "
@@ -210,41 +221,30 @@ class ShardedAdamW(torch.optim.Optimizer):
         return red + stage
 
     def _build_update_lists(self) -> None:
-        """Per bucket, views for the fused update: runs of its shard chunk with one
-        weight-decay class. Gradients are the reduced chunk itself (fp32 reduce) or the
-        fp32 staging buffer, which every bucket reuses from offset 0.
-
-        Padding joins whichever run it sits in (it stays zero: zero grad, zero weight).
+        """Per bucket, the fused update's views of this rank's chunk: one segment per parameter
+        that overlaps it (its fp32 master, gradient, moments and its own step counter), so a
+        parameter without a gradient can be left out of a step. Gradients are the reduced chunk
+        itself (fp32 reduce) or the fp32 staging buffer, which every bucket reuses from offset 0.
+        Padding lies outside every segment: it is never updated and stays zero.
         """
         r = self.rank
         red_chunks = [self._chunk_view(self._flat_red, b, r) for b in range(len(self._buckets))]
-        self._update_lists = []
+        self._segments = []          # per bucket: [(param index, decays, master, grad, exp_avg, exp_avg_sq)]
         shard_start = 0
         for b, idx in enumerate(self._buckets):
             c = self._bucket_chunk[b]
             lo = self._bucket_base[b] + r * c           # owned flat range [lo, lo + c)
-            marks = []                                   # (offset within chunk, decays?)
+            grad_src = self._grad_stage if self._grad_stage is not None else red_chunks[b]
+            segs = []
             for i in idx:
                 p0, p1 = self._param_off[i], self._param_off[i] + self._params[i].numel()
-                if p1 > lo and p0 < lo + c:
+                a, z = max(p0, lo) - lo, min(p1, lo + c) - lo
+                if a < z:
                     decays = not (self.exclude_1d and self._params[i].ndim < 2)
-                    marks.append((max(p0, lo) - lo, decays))
-            marks.sort()
-            runs = []                                    # the first mark is at offset 0
-            for off, decays in marks or [(0, False)]:
-                if not runs or runs[-1][1] != decays:
-                    runs.append((off, decays))
-            grad_src = self._grad_stage if self._grad_stage is not None else red_chunks[b]
-            lists = {True: ([], [], [], []), False: ([], [], [], [])}  # master, grad, exp_avg, exp_avg_sq
-            for k, (off, decays) in enumerate(runs):
-                end = runs[k + 1][0] if k + 1 < len(runs) else c
-                a, z = shard_start + off, shard_start + end
-                m, g, ea, es = lists[decays]
-                m.append(self._master[a:z])
-                g.append(grad_src[off:end])
-                ea.append(self._exp_avg[a:z])
-                es.append(self._exp_avg_sq[a:z])
-            self._update_lists.append({k: v for k, v in lists.items() if v[0]})
+                    sa, sz = shard_start + a, shard_start + z
+                    segs.append((i, decays, self._master[sa:sz], grad_src[a:z], self._exp_avg[sa:sz],
+                                 self._exp_avg_sq[sa:sz]))
+            self._segments.append(segs)
             shard_start += c
         self._red_chunks = red_chunks
         self._param_chunks = [self._chunk_view(self._flat_param, b, r) for b in range(len(self._buckets))]
@@ -255,21 +255,23 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._flat_red is not self._flat_grad:
             self._bucket_view(self._flat_red, b).copy_(self._bucket_view(self._flat_grad, b))
         if self.collective == "rs_ag":
-            return [_reduce_scatter(self._red_chunks[b], self._bucket_view(self._flat_red, b),
+            return [collectives.reduce_scatter(self._red_chunks[b], self._bucket_view(self._flat_red, b),
                                     group=self.group, async_op=True)]
         return [dist.reduce(self._chunk_view(self._flat_red, b, q), group_dst=q, group=self.group, async_op=True)
                 for q in range(self.world)]
 
     def _publish_bucket(self, b: int) -> list:
         if self.collective == "rs_ag":
-            return [_all_gather(self._bucket_view(self._flat_param, b), self._param_chunks[b],
+            return [collectives.all_gather(self._bucket_view(self._flat_param, b), self._param_chunks[b],
                                group=self.group, async_op=True)]
         return [dist.broadcast(self._chunk_view(self._flat_param, b, q), group_src=q, group=self.group,
                                async_op=True)
                 for q in range(self.world)]
 
     def _adopt_grads(self) -> None:
-        """Put any .grad that was replaced (set to None, reassigned) back into the flat buffer."""
+        """Put any .grad that was replaced (reassigned, or None: zeros, and the parameter is not
+        stepped) back into the flat buffer."""
+        self._has_grad = [p.grad is not None for p in self._params]
         for p, v in zip(self._params, self._grad_views):
             if p.grad is not v:
                 if p.grad is None:
@@ -287,21 +289,19 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._missing = [len(idx) for idx in self._buckets]
             self._next_bucket = 0
 
-    def _make_grad_hook(self, i: int):
-        b = self._bucket_of[id(self._params[i])]
-
-        def hook(p):
-            if not self._armed:
-                return
-            if p.grad is not self._grad_views[i]:
-                self._grad_views[i].copy_(p.grad)
-                p.grad = self._grad_views[i]
-            self._missing[b] -= 1
-            # Launch strictly in bucket order so every rank issues the same sequence.
-            while self._next_bucket < len(self._buckets) and self._missing[self._next_bucket] == 0:
-                self._grad_works += self._reduce_bucket(self._next_bucket)
-                self._next_bucket += 1
-        return hook
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter i: move a new gradient into the flat buffer;
+        when armed, launch every bucket whose gradients are now complete."""
+        if p.grad is not self._grad_views[i]:
+            self._grad_views[i].copy_(p.grad)
+            p.grad = self._grad_views[i]
+        if not self._armed:
+            return
+        self._missing[self._bucket_of[id(p)]] -= 1
+        # Launch strictly in bucket order so every rank issues the same sequence.
+        while self._next_bucket < len(self._buckets) and self._missing[self._next_bucket] == 0:
+            self._grad_works += self._reduce_bucket(self._next_bucket)
+            self._next_bucket += 1
 
     def _drain_grad_works(self) -> None:
         for w in self._grad_works:
@@ -343,9 +343,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         return self.numel
 
     def set_external_clip_coef(self, coef, found_inf=None) -> None:
-        """Global clip (phase 2): use `coef` instead of this instance's own coefficient on
-        the next step; `found_inf` (the global verdict) skips the step as well as this
-        instance's own non-finite norm does. None restores per-instance clipping."""
+        """For the next step only: use `coef` instead of this instance's own clip coefficient
+        (None keeps its own: per-instance clipping), and skip the step when `found_inf` (a
+        0-dim bool device tensor, e.g. another group's verdict) is set, as this instance's own
+        non-finite norm does."""
         self._ext_coef, self._ext_found_inf = coef, found_inf
 
     # ------------------------------------------------------------------- step
@@ -354,26 +355,32 @@ class ShardedAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ShardedAdamW.step does not take a closure")
         sq, _ = self.reduce_and_measure()
-        if self._ext_coef is None:
-            self.clip_stats = clip_stats_from_sq_norm(sq, self.max_grad_norm)
+        own = clip_stats_from_sq_norm(sq, self.max_grad_norm)
+        found = own.found_inf if self._ext_found_inf is None else own.found_inf | self._ext_found_inf
+        coef = own.clip_coef if self._ext_coef is None else torch.as_tensor(self._ext_coef, dtype=torch.float32,
+                                                                            device=self.device)
+        coef = torch.where(found, torch.ones_like(coef), coef)
+        self.clip_stats = ClipStats(total_norm=own.total_norm, clip_coef=coef, clipped=(coef < 1) & ~found,
+                                    found_inf=found)
+        found_inf = found.float()
+        stepped = self._has_grad
+        if all(stepped):
+            self._steps += 1.0 - found_inf
         else:
-            found = ~torch.isfinite(sq)
-            if self._ext_found_inf is not None:
-                found = found | self._ext_found_inf
-            coef = torch.where(found, torch.ones_like(sq), torch.as_tensor(self._ext_coef, dtype=torch.float32,
-                                                                           device=self.device))
-            self.clip_stats = ClipStats(total_norm=sq.sqrt(), clip_coef=coef, clipped=(coef < 1) & ~found,
-                                        found_inf=found)
-        found_inf = self.clip_stats.found_inf.float()
-        self._step += 1.0 - found_inf
-        self._skipped += self.clip_stats.found_inf.long()
-        grad_scale = self.world / self.clip_stats.clip_coef       # kernel divides: g * coef / W
+            self._steps += torch.tensor(stepped, dtype=torch.float32).to(self.device, non_blocking=True) \
+                * (1.0 - found_inf)
+        self._skipped += found.long()
+        grad_scale = self.world / coef       # the kernel divides: g * coef / W
         g = self.param_groups[0]
-        for b, lists in enumerate(self._update_lists):
+        for b, segs in enumerate(self._segments):
             if self._grad_stage is not None:
                 self._grad_stage[: self._bucket_chunk[b]].copy_(self._red_chunks[b])
-            for decays, (master, grads, m, v) in lists.items():
-                torch._fused_adamw_(master, grads, m, v, [], [self._step] * len(master), lr=g["lr"],
+            for decays in (True, False):
+                run = [seg for seg in segs if seg[1] == decays and stepped[seg[0]]]
+                if not run:
+                    continue
+                torch._fused_adamw_([s[2] for s in run], [s[3] for s in run], [s[4] for s in run],
+                                    [s[5] for s in run], [], [self._step_views[s[0]] for s in run], lr=g["lr"],
                                     beta1=g["betas"][0], beta2=g["betas"][1],
                                     weight_decay=g["weight_decay"] if decays else 0.0, eps=g["eps"],
                                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
@@ -413,7 +420,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             need[s] = max(need[s], need[s - 1])
         self._stage_wait_pos = need
         for s, (module, _) in enumerate(stages):
-            module.register_forward_pre_hook(lambda *_, s=s: self._install(self._stage_wait_pos[s]))
+            self._hook_handles.append(module.register_forward_pre_hook(_weak_hook(self, "_install_stage", s)))
+
+    def _install_stage(self, s: int, *_) -> None:
+        self._install(self._stage_wait_pos[s])
 
     def _install(self, upto: int) -> None:
         while self._installed < min(upto, len(self._pending_publish)):
@@ -428,9 +438,12 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ misc
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffer; .grad stays a view into it (set_to_none is ignored)."""
+        """Zero the flat gradient buffer. set_to_none=True (the default, as torch) sets every
+        .grad to None: a parameter that backward does not reach is then not stepped.
+        set_to_none=False keeps each .grad a (zeroed) view of the buffer."""
         self._flat_grad.zero_()
-        self._adopt_grads()
+        for p, v in zip(self._params, self._grad_views):
+            p.grad = None if set_to_none else v
 
     @property
     def skipped_steps(self) -> int:
@@ -456,6 +469,23 @@ class ShardedAdamW(torch.optim.Optimizer):
             w = torch.arange(a, min(a + step, bits.numel()), device=self.device) % 8191 + 1
             total += (bits[a: a + step].long() * w).sum()
         return total
+
+
+def _weak_hook(opt, method: str, *bound):
+    """A hook calling opt.<method>(*bound, *hook_args) that does not keep opt alive: a strong
+    reference from the model's tensors and modules back to the optimizer would be a cycle."""
+    ref = weakref.ref(opt)
+
+    def hook(*args):
+        target = ref()
+        if target is not None:
+            return getattr(target, method)(*bound, *args)
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def refresh_stages(model: nn.Module) -> list[tuple[nn.Module, list]]:

@@ -196,14 +196,14 @@ def run_nan_skip(W, rank, collective, overlap):
         nan = step == 1
         opt.drain_refresh()
         before = [p.detach().clone() for p in model.parameters()]
-        state = [opt._master.clone(), opt._exp_avg.clone(), opt._exp_avg_sq.clone(), opt._step.clone()]
+        state = [opt._master.clone(), opt._exp_avg.clone(), opt._exp_avg_sq.clone(), opt._steps.clone()]
         train_step(model, [opt], step, rank, nan_rank=W - 1 if nan else None, nan_param=first)
         ref.step(step, 0.05, skip=nan)
         assert bool(opt.clip_stats.found_inf) == nan and not bool(opt.clip_stats.clipped and nan)
         assert_replicas_identical([opt])
         if nan:
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "params touched on NaN step"
-            after = [opt._master, opt._exp_avg, opt._exp_avg_sq, opt._step]
+            after = [opt._master, opt._exp_avg, opt._exp_avg_sq, opt._steps]
             assert all(torch.equal(a, b) for a, b in zip(state, after)), "optimizer state touched on NaN step"
         assert_matches(model, ref, f"nan-skip {collective} step {step}")
     assert opt.skipped_steps == 1
