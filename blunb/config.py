@@ -136,7 +136,9 @@ class TrainConfig:
     fault_nan_grad: str = ""        # testing aid: "STEP:RANK[,...]" poisons that rank's gradient on that step
     fault_stall: str = ""           # testing aid: "STEP:RANK[,...]" SIGSTOPs that rank at the start of that step
     collective_timeout_s: float = 600.0  # every collective's timeout (torch's default is 30 minutes)
-    val_tokens: int = 0             # validation tokens, split across ranks; 0: val_loss_steps * B * T
+    # Validation set size in tokens, split across ranks (so val_loss means the same at every world
+    # size): the reference trainer's 20 batches x B2 x T4096 x 8 ranks. 0: val_loss_steps * B * T.
+    val_tokens: int = 1310720
     val_freq: int = 250
     val_loss_steps: int = 20
     seed: int = 1337
@@ -247,20 +249,20 @@ def _tiny() -> TrainConfig:
                         context_length=128, vocab_size=320, weight_tying=True)
     return TrainConfig(model=model, preset="tiny", B=8, T=128, global_batch=4096, max_lr=3e-3,
                        min_lr=3e-4, muon_lr=3e-3, muon_min_lr=3e-4, warmup_steps=10,
-                       stable_steps=50, max_steps=100, val_freq=20, val_loss_steps=4)
+                       stable_steps=50, max_steps=100, val_freq=20, val_loss_steps=4, val_tokens=8192)
 
 
 def _gpt2_small() -> TrainConfig:
     model = ModelConfig(d_model=768, n_layers=12, q_heads=12, kv_heads=4, head_dim=64, ffn_hidden=2048,
                         context_length=1024, vocab_size=50304, weight_tying=True)
-    return TrainConfig(model=model, preset="124m", B=16, T=1024, global_batch=524288,
+    return TrainConfig(model=model, preset="124m", B=16, T=1024, global_batch=524288, val_tokens=327680,
                        warmup_steps=200, stable_steps=1400, max_steps=2000)
 
 
 def _one_b() -> TrainConfig:
     model = ModelConfig(d_model=2048, n_layers=16, q_heads=16, kv_heads=8, head_dim=128, ffn_hidden=5632,
                         context_length=2048, vocab_size=50304, weight_tying=False)
-    return TrainConfig(model=model, preset="1b", B=8, T=2048, global_batch=524288,
+    return TrainConfig(model=model, preset="1b", B=8, T=2048, global_batch=524288, val_tokens=327680,
                        warmup_steps=200, stable_steps=1400, max_steps=2000)
 
 

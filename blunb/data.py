@@ -399,6 +399,41 @@ class ShardLoader:
             self.position = self.B * self.T * self.rank
 
 
+class ValidationSet:
+    """A fixed validation set: the first n_tokens // T windows of T tokens (+1 for the shifted
+    target) of the val shards, in order. Window j belongs to rank j % world_size, so the set,
+    and the token-weighted mean loss over it, is the same at every world size."""
+
+    def __init__(self, shards: list[Path], n_tokens: int, T: int, rank: int = 0, world_size: int = 1):
+        n_seq = n_tokens // T
+        if n_seq < 1:
+            raise DataError(f"a validation set of {n_tokens} tokens holds no window of T = {T} tokens")
+        windows = []
+        for path in shards:
+            tokens = read_shard(path)
+            for start in range(0, len(tokens) - T, T):
+                if len(windows) == n_seq:
+                    break
+                windows.append((path, start))
+        if len(windows) < n_seq:
+            raise DataError(f"the val shards ({', '.join(p.name for p in shards)}) hold {len(windows)} windows of "
+                            f"T = {T} tokens; val_tokens asks for {n_seq}")
+        self.T, self.n_seq = T, n_seq
+        self._mine = windows[rank::world_size]
+
+    def batches(self, B: int):
+        """This rank's windows as (x, y) int64 batches of up to B rows."""
+        T, maps = self.T, {}
+        for k in range(0, len(self._mine), B):
+            rows = []
+            for path, start in self._mine[k: k + B]:
+                if path not in maps:
+                    maps[path] = read_shard(path)
+                rows.append(maps[path][start: start + T + 1].astype(np.int64))
+            buf = torch.from_numpy(np.stack(rows))
+            yield buf[:, :-1], buf[:, 1:]
+
+
 def _fail(message: str) -> None:
     """A user error from the command line: one line on stderr, exit 2 (argparse's code), no traceback."""
     print(f"error: {message}", file=sys.stderr)

@@ -177,10 +177,12 @@ def test_bad_fault_specs_are_named(name, spec, message):
 
 
 def test_resolved_val_tokens():
-    cfg = preset("tiny")  # val_loss_steps 4, B 8, T 128
-    assert cfg.resolved_val_tokens() == 4 * 8 * 128
+    cfg = preset("tiny")  # val_tokens 8192, T 128
+    assert cfg.resolved_val_tokens() == 8192
     cfg.validate(world_size=4)  # independent of world size: nothing in it reads W
-    assert cfg.resolved_val_tokens() == 4096
+    assert cfg.resolved_val_tokens() == 8192
+    cfg.val_tokens = 0  # derived: val_loss_steps 4 x B 8 x T 128
+    assert cfg.resolved_val_tokens() == 4 * 8 * 128
     for given, expected in [(1000, 896), (4096, 4096), (10, 128)]:
         cfg.val_tokens = given
         assert cfg.resolved_val_tokens() == expected
@@ -191,7 +193,7 @@ def test_old_config_json_without_the_new_keys_loads():
     for key in ("nan_policy", "fault_nan_grad", "fault_stall", "collective_timeout_s", "val_tokens"):
         del old[key]
     cfg = TrainConfig.from_dict(old)
-    assert (cfg.nan_policy, cfg.fault_nan_grad, cfg.collective_timeout_s, cfg.val_tokens) == ("step", "", 600.0, 0)
+    assert (cfg.nan_policy, cfg.fault_nan_grad, cfg.collective_timeout_s, cfg.val_tokens) == ("step", "", 600.0, 1310720)
     cfg.validate(world_size=2)
 
 
