@@ -193,7 +193,8 @@ def test_old_config_json_without_the_new_keys_loads():
     for key in ("nan_policy", "fault_nan_grad", "fault_stall", "collective_timeout_s", "val_tokens"):
         del old[key]
     cfg = TrainConfig.from_dict(old)
-    assert (cfg.nan_policy, cfg.fault_nan_grad, cfg.collective_timeout_s, cfg.val_tokens) == ("step", "", 600.0, 1310720)
+    assert (cfg.nan_policy, cfg.fault_nan_grad, cfg.collective_timeout_s, cfg.val_tokens) == \
+        ("step", "", 600.0, 1310720)
     cfg.validate(world_size=2)
 
 
