@@ -259,3 +259,24 @@ def test_an_earlier_run_waits_aside_until_the_new_one_starts(tmp_path):
     previous = _start_run_dir(run_dir)
     assert sorted(p.name for p in previous.iterdir()) == ["config.json", "log.txt", "metrics.csv"]
     assert sorted(p.name for p in run_dir.iterdir()) == [".previous", "run.ipynb"]  # papermill's output stays
+
+
+def test_a_killed_run_says_so(tmp_path):
+    """SIGTERM (torchrun stopping a job, a notebook interrupt) ends the run with status killed."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "r"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "blunb.train", "--preset", "tiny", "--max-steps", "100000",
+                             "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    deadline = time.monotonic() + 240
+    while not ((run_dir / "metrics.csv").is_file() and len((run_dir / "metrics.csv").read_text().splitlines()) > 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+    st = read_status(run_dir)
+    assert st["state"] == "killed" and "SIGTERM" in st["error"] and 0 < st["steps_done"] < 100000
