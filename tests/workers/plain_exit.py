@@ -23,7 +23,7 @@ def main():
     adamw = ShardedAdamW(list(model[0].parameters()) + list(model[2].parameters()), lr=1e-3, bucket_mb=1e-4,
                          overlap_backward=True, overlap_refresh=True, stages=model)
     muon = ShardedMuon([{"params": list(model[1].parameters()), "use_muon": True}], lr=0.02, verbose=False)
-    for step in range(3):
+    for _ in range(3):
         adamw.arm_grad_sync()
         model(torch.randint(0, 11, (4, 5))).logsumexp(-1).mean().backward()
         adamw.step()
