@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,19 +36,15 @@ class LaunchError(RuntimeError):
         self.command = command
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(target: list[str], nproc: int) -> list[str]:
-    """torchrun on `nproc` local ranks with a free rendezvous port; `target` is a script and its
-    arguments, or ["-m", module, ...]."""
+    """torchrun on `nproc` local ranks; `target` is a script and its arguments, or ["-m", module, ...].
+
+    --standalone lets torchrun's own rendezvous bind a free port itself: probing for a free port
+    first and passing it on races with every other process on the machine between the probe and
+    torchrun's bind (parallel runs made that race real)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", *target]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
 
 
 def check_train_args(train_args: list[str], nproc: int, env: dict | None = None) -> None:
