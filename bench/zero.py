@@ -97,7 +97,7 @@ def build(kind, opts, model, device, group, bucket_mb):
 
     def step(x, y):
         for o in opts_:      # seed order: zero, arm the last (here only) micro-step, step largest last
-            o.zero_grad()
+            o.zero_grad(set_to_none=False)  # as the trainer: .grad stays a view of the flat buffer
             o.arm_grad_sync()
         _, loss = model(x, y)
         loss.backward()
