@@ -15,6 +15,7 @@ naming the step (its row is written first); a non-finite gradient norm skips the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -231,7 +232,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_killed) \
         if threading.current_thread() is threading.main_thread() else None
     log = Console(rank)
-    metrics = None
+    metrics = opt = None
     step = 0
     started = False
     try:
@@ -349,8 +350,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
         log("=== Training complete ===")
         if rank == 0:
             write_status(run_dir, "completed", step, cfg.max_steps)
-        if world_size > 1:
-            dist.destroy_process_group()
+        opt = None
+        _destroy_process_group(world_size)
         return run_dir
     except (RuntimeError, RunKilled, KeyboardInterrupt) as err:
         if isinstance(err, RuntimeError) and not isinstance(err, TrainingError) and _is_timeout(err):
@@ -360,8 +361,9 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
             _record_end(rank, started, run_dir, step, cfg, err)
             raise err from None
         _record_end(rank, started, run_dir, step, cfg, err)
-        if isinstance(err, TrainingError) and err.everywhere and world_size > 1:
-            dist.destroy_process_group()  # every rank stopped at the same point: no collective is pending
+        if isinstance(err, TrainingError) and err.everywhere:
+            opt = None
+            _destroy_process_group(world_size)  # every rank stopped at the same point: nothing is pending
         raise
     except BaseException as err:
         _record_end(rank, started, run_dir, step, cfg, err)
@@ -372,6 +374,16 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Pat
         log.close()
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _destroy_process_group(world_size: int) -> None:
+    """Destroy the process group once nothing holds it: torch DDP's reducer keeps a reference
+    (and its hooks may sit in reference cycles), which would let the group's gloo threads run on
+    into interpreter exit, where they abort or deadlock the process. The caller drops its optimizer
+    set first; collecting the cycles here frees the DDP wrapper."""
+    if world_size > 1 and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _raise_killed(signum, frame):

@@ -284,3 +284,14 @@ def test_a_killed_run_says_so(tmp_path):
     assert proc.returncode != 0
     st = read_status(run_dir)
     assert st["state"] == "killed" and "SIGTERM" in st["error"] and 0 < st["steps_done"] < 100000
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads through /proc")
+@pytest.mark.parametrize("optimizer", ["ddp_adamw", "adamw"])
+def test_the_trainer_leaves_no_gloo_thread_behind(tmp_path, optimizer):
+    """torch DDP's reducer holds the process group: the trainer must free it before destroying
+    the group, or gloo's threads run on into interpreter exit (an abort or a hang there)."""
+    from tests.distributed import torchrun
+
+    proc = torchrun(REPO / "tests" / "workers" / "train_exit.py", 2, optimizer, str(tmp_path))
+    assert proc.stdout.count("left no gloo thread") == 2, proc.stdout + proc.stderr
