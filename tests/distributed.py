@@ -21,3 +21,9 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300) -
         raise AssertionError(f"torchrun {Path(script).name} x{nproc} failed ({proc.returncode}):\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def gloo_threads() -> int:
+    """gloo's worker and transport threads alive in this process (Linux: /proc)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    return sum(open(f"{tasks}/{t}/comm").read().startswith(("pt_gloo", "gloo")) for t in os.listdir(tasks))

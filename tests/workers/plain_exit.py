@@ -9,11 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from blunb.optim import ShardedAdamW, ShardedMuon
-
-
-def gloo_threads() -> int:
-    tasks = f"/proc/{os.getpid()}/task"
-    return sum(open(f"{tasks}/{t}/comm").read().startswith(("pt_gloo", "gloo")) for t in os.listdir(tasks))
+from tests.distributed import gloo_threads
 
 
 def main():

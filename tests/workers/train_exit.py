@@ -12,11 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from blunb.config import apply_overrides, preset
 from blunb.train import train
-
-
-def gloo_threads() -> int:
-    tasks = f"/proc/{os.getpid()}/task"
-    return sum(open(f"{tasks}/{t}/comm").read().startswith(("pt_gloo", "gloo")) for t in os.listdir(tasks))
+from tests.distributed import gloo_threads
 
 
 def main():
