@@ -121,7 +121,9 @@ class TrainConfig:
     muon_ns_steps: int = 5
     muon_adjust_lr: str = "match_rms_adamw"  # or "original"
     # ZeRO-1 switches (the seed's A/B flags)
-    collective: str = "rs_ag"       # "rs_ag" | "reduce_bcast"
+    collective: str = "rs_ag"       # AdamW groups: "rs_ag" | "reduce_bcast"
+    muon_collective: str = "rs_ag"  # the Muon group, on its own (the seed: AdamW reduce_bcast, Muon rs_ag)
+    muon_buckets: int = 6           # Muon rs_ag: buckets per dtype (each one reduce-scatter + one all-gather)
     reduce_dtype: str = "param"     # "param" | "fp32" | "bf16"
     overlap_backward: bool = False  # reduce gradient buckets from autograd hooks during backward
     overlap_refresh: bool = False   # publish updated params in stages, installed by forward pre-hooks
@@ -146,6 +148,8 @@ class TrainConfig:
     device: str = "auto"            # "auto" | "cpu" | "cuda"
     kernels: str = "auto"           # "auto" | "torch" | "triton"
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
+    ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
+    ckpt_keep: int = 2              # the newest this many valid checkpoints are kept
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.global_batch // (self.B * self.T * world_size)
@@ -168,6 +172,7 @@ class TrainConfig:
             raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
                               f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
         choices = {"optimizer": ("adamw", "muon", "ddp_adamw"), "collective": ("rs_ag", "reduce_bcast"),
+                   "muon_collective": ("rs_ag", "reduce_bcast"),
                    "reduce_dtype": ("param", "fp32", "bf16"), "muon_adjust_lr": ("match_rms_adamw", "original"),
                    "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
@@ -192,8 +197,11 @@ class TrainConfig:
             for step, rank in _parse_faults(name, getattr(self, name)):
                 if rank >= world_size:
                     raise ConfigError(f"{name}: rank {rank} (step {step}) does not exist at world_size {world_size}")
-        if self.optimizer == "muon" and (self.overlap_backward or self.overlap_refresh):
-            raise ConfigError("overlap_backward / overlap_refresh are not implemented for optimizer=muon yet")
+        if self.ckpt_freq < 0 or self.ckpt_keep < 1:
+            raise ConfigError(f"ckpt_freq must be >= 0 (0 = off) and ckpt_keep >= 1, got {self.ckpt_freq} and "
+                              f"{self.ckpt_keep}")
+        if self.muon_buckets < 1:
+            raise ConfigError(f"muon_buckets must be >= 1, got {self.muon_buckets}")
         if self.optimizer == "ddp_adamw":
             # DDP never reads the ZeRO-1 switches: an A/B run with one set would silently measure nothing.
             defaults = {f.name: f.default for f in fields(TrainConfig)}
@@ -239,8 +247,8 @@ class TrainConfig:
 
 
 # TrainConfig switches only the ZeRO-1 optimizers read (optimizer=ddp_adamw rejects them).
-_ZERO_ONLY = ("collective", "reduce_dtype", "overlap_backward", "overlap_refresh", "bucket_mb", "global_clip",
-              "global_clip_strict")
+_ZERO_ONLY = ("collective", "muon_collective", "muon_buckets", "reduce_dtype", "overlap_backward", "overlap_refresh",
+              "bucket_mb", "global_clip", "global_clip_strict")
 
 
 def _tiny() -> TrainConfig:

@@ -390,6 +390,34 @@ class ShardLoader:
         for _ in range(n):
             self._advance()
 
+    def state_dict(self) -> dict:
+        """Where the stream is, independent of the world size: the shard order (by file name), the
+        current shard and the offset in it of the next step's first token (this rank's position
+        less its B*T*rank stagger). Every rank's dict is the same, except just before a shard end,
+        where the last ranks move on to the next shard one micro-batch before the first ones."""
+        return {"shards": [p.name for p in self.shards], "shard_idx": self.shard_idx,
+                "offset": self.position - self.B * self.T * self.rank, "B": self.B, "T": self.T,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where state_dict() was taken, at any world size: with the same B*T*world_size
+        per micro-batch exactly, otherwise at the same tokens until the next shard end (where the
+        tail a rank skips depends on the world size). A rank whose first window would run past
+        the shard's end starts the next shard, as the loader itself would."""
+        names, saved = [p.name for p in self.shards], list(state["shards"])
+        if saved != names:
+            at = next((i for i, (a, b) in enumerate(zip(saved, names)) if a != b), min(len(saved), len(names)))
+            raise DataError(f"the saved data stream reads {len(saved)} shard(s), this loader {len(names)}; they "
+                            f"first differ at position {at} ({saved[at] if at < len(saved) else 'none'} vs "
+                            f"{names[at] if at < len(names) else 'none'}): resuming would read other data")
+        self.shard_idx = int(state["shard_idx"])
+        self.tokens = read_shard(self.shards[self.shard_idx])
+        self.position = int(state["offset"]) + self.B * self.T * self.rank
+        if self.position + self.B * self.T + 1 > len(self.tokens):
+            self.shard_idx = (self.shard_idx + 1) % len(self.shards)
+            self.tokens = read_shard(self.shards[self.shard_idx])
+            self.position = self.B * self.T * self.rank
+
     def _advance(self) -> None:
         step = self.B * self.T * self.world_size
         self.position += step

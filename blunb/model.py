@@ -90,7 +90,7 @@ class BLU(nn.Module):
         cfg.validate()
         self.cfg = cfg
         device = torch.device(device) if device is not None else torch.device("cpu")
-        linear_dtype = _linear_dtype(cfg, device)
+        linear_dtype = self.linear_dtype = _linear_dtype(cfg, device)
         self.resid_dtype = torch.bfloat16 if cfg.bf16_resid else torch.float32
         self.logit_dtype = torch.bfloat16 if cfg.bf16_logits else torch.float32
         embed_dtype = torch.bfloat16 if cfg.bf16_embed else torch.float32
@@ -131,6 +131,13 @@ class BLU(nn.Module):
         if self.lm_head is not None:
             normal_(self.lm_head.weight, 0.02)
 
+    def precision_layout(self) -> dict[str, str]:
+        """Which stage computes or stores in which dtype (recorded at the start of every run)."""
+        label = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        return {"linear_weights": label[self.linear_dtype], "output_projection": label[self.linear_dtype],
+                "residual_stream_and_norms": label[self.resid_dtype], "embedding": label[self.wte.weight.dtype],
+                "logits": label[self.logit_dtype], "qk_norm_rope": "fp32 (always)", "loss": "fp32"}
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -143,8 +150,8 @@ class BLU(nn.Module):
         for blk in self.blocks:
             x = blk(x, cos, sin)
         x = self.norm_f(x)
-        if self.lm_head is None:
-            logits = F.linear(x.to(self.wte.weight.dtype), self.wte.weight)
+        if self.lm_head is None:  # tied: the output GEMM runs in the Linears' dtype, as the seed's
+            logits = F.linear(x.to(self.linear_dtype), self.wte.weight.to(self.linear_dtype))
         else:
             logits = self.lm_head(x.to(self.lm_head.weight.dtype))
         logits = logits.to(self.logit_dtype)

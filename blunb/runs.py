@@ -151,14 +151,50 @@ def read_status(run_dir: str | Path) -> dict | None:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-class MetricsWriter:
-    """Appends one row per step and flushes, so a crashed run keeps every finished step."""
+def set_aside_rows_from(path: Path, step: int) -> Path | None:
+    """A resume at `step`: move the rows of steps >= step in the CSV at `path` (metrics.csv,
+    diag.csv: a `step` column) to `<stem>.discarded_from_step_<step>.csv` beside it, keeping the
+    earlier rows in place, so the continued file has one row per step. Returns the aside file."""
+    if not path.is_file():
+        return None
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames or [], list(reader)
+    is_later = [bool(r.get("step")) and int(r["step"]) >= step for r in rows]
+    if not any(is_later):
+        return None
+    aside = path.with_name(f"{path.stem}.discarded_from_step_{step}.csv")
+    later = [r for r, x in zip(rows, is_later) if x]
+    earlier = [r for r, x in zip(rows, is_later) if not x]
+    for target, keep in ((aside, later), (path, earlier)):
+        tmp = target.with_name(f".{target.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=header)
+            w.writeheader()
+            w.writerows(keep)
+        os.replace(tmp, target)
+    return aside
 
-    def __init__(self, path: Path, extra_columns: list[str]):
+
+class MetricsWriter:
+    """Appends one row per step and flushes, so a crashed run keeps every finished step.
+    append=True continues an existing file (a resume), rewriting it first when its columns differ."""
+
+    def __init__(self, path: Path, extra_columns: list[str], append: bool = False):
         self.columns = METRIC_COLUMNS + extra_columns
-        self._f = open(path, "w", newline="")
+        kept = []
+        if append and path.is_file():
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                if reader.fieldnames == self.columns:
+                    kept = None
+                else:
+                    kept = [{k: r.get(k, "") for k in self.columns} for r in reader]
+        self._f = open(path, "a" if kept is None else "w", newline="")
         self._w = csv.DictWriter(self._f, fieldnames=self.columns)
-        self._w.writeheader()
+        if kept is not None:
+            self._w.writeheader()
+            self._w.writerows(kept)
         self._f.flush()
 
     def write(self, row: dict) -> None:
@@ -201,6 +237,17 @@ def load_study(study_dir: str | Path) -> list[Run]:
     return [load_run(p) for p in sorted(study_dir.iterdir()) if (p / "metrics.csv").is_file()]
 
 
+def _steady_aggregates(steady: pd.DataFrame) -> dict:
+    """Steady-state throughput as the MFU meter aggregates it: total tokens / total time and
+    total model FLOPs / (total time x peak), never a median or mean of per-step ratios."""
+    secs = steady["dt_ms"].sum() / 1e3
+    if not len(steady) or secs <= 0:
+        return {"steady_tok_per_sec": float("nan"), "steady_mfu": float("nan")}
+    tokens = (steady["tok_per_sec"] * steady["dt_ms"] / 1e3).sum()
+    flops_share = (steady["mfu"] * steady["dt_ms"]).sum(min_count=1)  # mfu x dt = FLOPs / peak of each step
+    return {"steady_tok_per_sec": float(tokens / secs), "steady_mfu": float(flops_share / steady["dt_ms"].sum())}
+
+
 def summarize(runs: list[Run]) -> pd.DataFrame:
     """One row per run: what was trained, on what, and how it ended.
 
@@ -228,8 +275,7 @@ def summarize(runs: list[Run]) -> pd.DataFrame:
             "first_train_loss": float(m["train_loss"].iloc[0]) if len(m) else nan,
             "final_train_loss": float(m["train_loss"].iloc[-1]) if len(m) else nan,
             "final_val_loss": float(val.iloc[-1]) if len(val) else nan,
-            "steady_tok_per_sec": float(steady["tok_per_sec"].median()) if len(steady) else nan,
-            "steady_mfu": float(steady["mfu"].median()) if steady["mfu"].notna().any() else nan,
+            **_steady_aggregates(steady),
             "status": state,
             "steps_done": steps_done,
             "steps_total": steps_total,

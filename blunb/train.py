@@ -1,7 +1,7 @@
 """The training loop: `python -m blunb.train` single-process, the same flags under torchrun.
 
     python -m blunb.train --preset tiny --max-steps 50 --run-dir results/quickstart/run0 \
-        [--optimizer adamw|muon] [--data FOLDER] [--set key=value ...]
+        [--optimizer adamw|muon|ddp_adamw] [--data FOLDER] [--set key=value ...]
     torchrun --standalone --nproc_per_node=2 -m blunb.train ...
 
 Per step: gradient accumulation to the global batch, a clipped optimizer step on the
@@ -10,6 +10,16 @@ every val_freq steps and on the last step, over a fixed set of val_tokens split 
 ranks (the same number at every world size). A non-finite loss stops the run with an error
 naming the step (its row is written first); a non-finite gradient norm skips the step
 (nan_policy). Every collective times out after collective_timeout_s.
+
+The steady-state step never waits for the device: the loss is reduced on a second process
+group (so it never queues behind a staged parameter refresh) and step N's scalars (loss,
+norms, skip flags, clip coefficients) are copied to the host without blocking and read
+during step N+1, after its first backward is queued. dt is therefore host wall-clock
+between step starts (the seed's definition); the step line of step N appears during N+1.
+
+Layout: setup() builds everything (distributed, device, data, model, optimizers, run
+folder); train_step() queues one step; finish_step() reads it back, logs it and runs the
+health checks; train() is the loop.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import math
 import os
 import shutil
@@ -24,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blunb import kernels
+from blunb import checkpoint, kernels
 from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
 from blunb.data import (
     DataError,
@@ -44,8 +56,11 @@ from blunb.data import (
 )
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
-from blunb.optim.build import build_optimizers, check_replicas
-from blunb.runs import MetricsWriter, environment, write_status
+from blunb.optim.build import StepRecord, StepStats, build_optimizers
+from blunb.optim.zero_adamw import refresh_stages
+from blunb.runs import MetricsWriter, environment, set_aside_rows_from, write_status
+
+log = logging.getLogger("blunb.train")  # not __name__: it is "__main__" under python -m
 
 
 class TrainingError(RuntimeError):
@@ -59,30 +74,6 @@ class TrainingError(RuntimeError):
 
 class RunKilled(Exception):
     """SIGTERM (torchrun stopping the job, a notebook interrupt): the run folder says 'killed'."""
-
-
-class Console:
-    """Rank 0 prints and mirrors to log.txt (once the run folder exists); other ranks stay quiet."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self._f = None
-
-    def open(self, path: Path) -> None:
-        if self.rank == 0:
-            self._f = open(path, "a")
-
-    def __call__(self, msg: str = "") -> None:
-        if self.rank != 0:
-            return
-        print(msg, flush=True)
-        if self._f:
-            self._f.write(msg + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
 
 
 def _dist_env() -> tuple[int, int, int]:
@@ -128,8 +119,9 @@ def _start_run_dir(run_dir: Path) -> Path | None:
 
 
 def _rank0_decides(fn, rank: int, world_size: int):
-    """Run fn on rank 0 only (data preparation and checks: one scan, one message) and make every
-    rank raise the same ConfigError / DataError when it failed, instead of waiting for rank 0."""
+    """Run fn on rank 0 only (data preparation, checkpoint discovery: one scan, one message) and
+    hand its result to every rank, or make every rank raise the same ConfigError / DataError when
+    it failed, instead of waiting for rank 0."""
     result, failure = None, None
     if rank == 0:
         try:
@@ -137,10 +129,11 @@ def _rank0_decides(fn, rank: int, world_size: int):
         except (ConfigError, DataError) as err:
             failure = err
     if world_size > 1:
-        box = [None if failure is None else (type(failure).__name__, str(failure))]
+        box = [(result, None if failure is None else (isinstance(failure, DataError), str(failure)))]
         dist.broadcast_object_list(box, src=0)
-        if box[0] is not None and rank != 0:
-            raise {"ConfigError": ConfigError, "DataError": DataError}[box[0][0]](box[0][1])
+        result, failed = box[0]
+        if failed is not None and rank != 0:
+            raise (DataError if failed[0] else ConfigError)(failed[1])
     if failure is not None:
         raise failure
     return result
@@ -160,8 +153,6 @@ def _resolve_data(cfg: TrainConfig, rank: int, world_size: int) -> tuple[Path, l
         return folder
 
     folder = _rank0_decides(prepare_and_check, rank, world_size)
-    if rank != 0:
-        folder = ensure_default_corpus(progress=False) if cfg.data == "default" else Path(cfg.data)
     return folder, find_shards(folder, "train"), find_shards(folder, "val")
 
 
@@ -208,172 +199,503 @@ def _is_timeout(err: BaseException) -> bool:
     return "timed out" in str(err).lower() or "timeout" in str(err).lower()
 
 
-def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False) -> Path:
-    """Train `cfg`, writing the run folder; returns run_dir. Works single-process and under torchrun.
+# ---------------------------------------------------------------- logging
 
-    Config, run-folder and data errors are raised before the run folder is touched. The folder's
-    status.json says how the run ended: completed, failed (with the error) or killed.
-    """
-    run_dir = Path(run_dir)
-    rank, world_size, local_rank = _dist_env()
-    cfg.validate(world_size)
-    check_run_dir(run_dir, overwrite)
-    device = _pick_device(cfg, local_rank)
-    meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
-                           device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    if cfg.kernels != "auto":
-        os.environ["BLUNB_KERNELS"] = cfg.kernels
+class _RunLog:
+    """The `blunb` logger for one run: rank 0 writes to stdout and log.txt; other ranks show
+    warnings and errors only, prefixed with their rank. close() restores the logger."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.logger = logging.getLogger("blunb")
+        self._saved = (self.logger.level, self.logger.propagate)
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False  # a notebook's or pytest's root handler would print it twice
+        self._handlers: list[logging.Handler] = []
+        self._add(logging.StreamHandler(sys.stdout), logging.INFO if rank == 0 else logging.WARNING)
+
+    def _add(self, handler: logging.Handler, level: int) -> None:
+        handler.setLevel(level)
+        handler.setFormatter(logging.Formatter("%(message)s" if self.rank == 0 else f"[rank {self.rank}] %(message)s"))
+        self.logger.addHandler(handler)
+        self._handlers.append(handler)
+
+    def to_file(self, path: Path) -> None:
+        if self.rank == 0:
+            self._add(logging.FileHandler(path, mode="a"), logging.INFO)
+
+    def close(self) -> None:
+        for h in self._handlers:
+            self.logger.removeHandler(h)
+            h.close()
+        self.logger.setLevel(self._saved[0])
+        self.logger.propagate = self._saved[1]
+
+
+# ---------------------------------------------------------------- setup
+
+@dataclass
+class _Run:
+    """Everything the loop reads, built once by setup()."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    model: BLU
+    opt: object                      # the optimizer set (blunb.optim.build's interface)
+    train_loader: ShardLoader
+    val_set: ValidationSet
+    meter: MFUMeter
+    metrics: MetricsWriter | None    # rank 0 only
+    scalar_group: object             # a second process group for the loss (None at W=1)
+    accum: int
+    tokens_per_step: int
+    covered_frac: float
+    diag: object | None = None       # blunb.diag.Diagnostics with diag=true
+    previous: Path | None = None     # an earlier run's files, removed after the first metrics row
+    nan_at: set = field(default_factory=set)
+    stall_at: set = field(default_factory=set)
+    start: float = 0.0
+    last_val: float | None = None
+    skipped_total: int = 0
+    skipped_in_a_row: int = 0
+    steps_done: int = 0              # steps finished and passed the health checks
+    start_step: int = 0              # > 0 when resumed from a checkpoint
+    resumed_from: Path | None = None
+
+
+def _init_distributed(cfg: TrainConfig, device: torch.device, world_size: int) -> None:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=cfg.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+
+
+def _model_config(cfg: TrainConfig):
+    """The baseline a user would write keeps fp32 parameters (autocast does the bf16 compute)."""
+    if cfg.optimizer == "ddp_adamw" and cfg.model.linear_dtype == "auto":
+        return replace(cfg.model, linear_dtype="fp32")
+    return cfg.model
+
+
+def _find_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    """--resume auto: the newest valid checkpoint in the run folder, or None (a fresh start);
+    --resume PATH: that checkpoint, which must be valid (CheckpointError otherwise)."""
+    if resume == "auto":
+        found = checkpoint.find_resume(run_dir)
+        if found is None:
+            log.info(f"--resume auto: no valid checkpoint in {run_dir / 'checkpoints'}; starting fresh")
+        return found
+    checkpoint.validate(resume)
+    return Path(resume)
+
+
+def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
+          run_log: _RunLog, resume: str | None = None) -> _Run:
+    """Data and checkpoint (checked before anything else), model, optimizers, the resumed state,
+    then the run folder and its records."""
+    data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
+    resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
+    meta = corpus_meta(data_dir)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # Shard order comes from the seed: every rank permutes identically.
+    order = np.random.default_rng(cfg.seed).permutation(len(train_shards))
+    train_loader = ShardLoader([train_shards[i] for i in order], cfg.B, cfg.T, rank, world_size)
+    val_set = ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T, rank, world_size)
+
+    model = BLU(_model_config(cfg), device=device, seed=cfg.seed)
+    diag = None
+    if cfg.diag:  # before the optimizers: its gradient hooks must see the gradients before they are reduced
+        from blunb.diag import Diagnostics
+
+        diag = Diagnostics(model, rank, world_size)
+    opt = build_optimizers(model, cfg, device, world_size)
+    accum = cfg.grad_accum_steps(world_size)
+    meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
+                           device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    facts = _run_facts(cfg, model, opt, device)
+    clip = facts["optimizer"]["clip"]
+    run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
+               train_loader=train_loader, val_set=val_set, meter=meter, metrics=None,
+               scalar_group=dist.new_group(timeout=timedelta(seconds=cfg.collective_timeout_s))
+               if world_size > 1 else None, accum=accum,
+               tokens_per_step=cfg.B * cfg.T * accum * world_size,
+               covered_frac=clip["covered_params"] / max(clip["total_params"], 1), diag=diag,
+               nan_at=cfg.fault_nan_grad_at(), stall_at=cfg.fault_stall_at())
+
+    saved = None
+    if resume_from is not None:
+        saved = checkpoint.load(resume_from, model, opt, {"train": train_loader})
+        run.start_step = run.steps_done = saved["step"]
+        run.resumed_from = resume_from
+        extra = saved.get("extra", {})
+        run.last_val = extra.get("last_val_loss")
+        run.skipped_total, run.skipped_in_a_row = extra.get("skipped_total", 0), extra.get("skipped_in_a_row", 0)
+        run.start = -60.0 * extra.get("elapsed_min", 0.0)  # made absolute when the loop starts
+
+    # Everything is checked and built: from here on the run folder belongs to this run.
+    if rank == 0:
+        env = environment(world_size, device, shards=None if cfg.data == "default" else train_shards + val_shards)
+        env["corpus"] = {"dir": str(data_dir), **meta}
+        env["training"] = facts
+        if saved is None:
+            run.previous = _start_run_dir(run_dir)
+        else:
+            aside = [set_aside_rows_from(run_dir / name, run.start_step) for name in ("metrics.csv", "diag.csv")]
+            env["resumed"] = {"from": str(resume_from), "step": run.start_step, "saved_world_size": saved["world_size"],
+                              "rows_set_aside": [str(p) for p in aside if p is not None]}
+            earlier = run_dir / "env.json"
+            if earlier.is_file():
+                env["resumed"]["earlier_env"] = json.loads(earlier.read_text())
+        write_status(run_dir, "running", run.start_step, cfg.max_steps)
+        (run_dir / "config.json").write_text(cfg.to_json())
+        (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
+        run_log.to_file(run_dir / "log.txt")
+        run.metrics = MetricsWriter(run_dir / "metrics.csv", _metric_columns(opt), append=saved is not None)
+        if diag is not None:
+            diag.open_csv(run_dir)
+    if run.previous is not None:
+        log.info(f"the earlier run in {run_dir} was moved to {run.previous} (removed after this run's first step)")
+    if saved is not None:
+        changed = {k: (v, cfg.to_dict().get(k)) for k, v in (saved.get("config") or {}).items()
+                   if cfg.to_dict().get(k) != v}
+        log.info(f"resumed at step {run.start_step} from {resume_from} (saved at world size {saved['world_size']})"
+                 + (f"; settings changed since: {changed}" if changed else ""))
+    for line in _start_lines(run, facts, data_dir, meta):
+        log.info(line)
+    return run
+
+
+def _run_facts(cfg: TrainConfig, model: BLU, opt, device: torch.device) -> dict:
+    """The start-of-run record (env.json "training"): precision layout, optimizer set, stage map."""
+    facts = {"precision": {**model.precision_layout(), "optimizer_masters": "fp32"
+                           if cfg.optimizer != "ddp_adamw" else "none (torch AdamW on the parameters)"},
+             "optimizer": opt.describe(),
+             "kernels": kernels.describe(device),
+             "dt": "host wall-clock between step starts; no per-step device sync"}
+    if cfg.overlap_refresh and cfg.optimizer != "ddp_adamw":
+        names = {id(m): name or "<model>" for name, m in model.named_modules()}
+        stages = refresh_stages(model)
+        covered = {id(p) for _, ps in stages for p in ps}
+        facts["refresh_stages"] = [{"stage": i, "module": names.get(id(m), type(m).__name__), "params": len(ps),
+                                    "numel": sum(p.numel() for p in ps)} for i, (m, ps) in enumerate(stages)]
+        facts["refresh_uncovered"] = [n for n, p in model.named_parameters() if id(p) not in covered]
+    return facts
+
+
+def _start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]:
+    """What the seed prints at the start of a run, from the same facts env.json records."""
+    cfg, o = run.cfg, facts["optimizer"]
+    prec = facts["precision"]
+    lines = [f"blunb {cfg.preset}: {run.model.num_params():,} params | world {run.world_size} x {run.device} | "
+             f"B {cfg.B} T {cfg.T} accum {run.accum} -> {run.tokens_per_step:,} tokens/step",
+             "precision: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in prec.items())]
+    head = f"optimizer: {o['label']} over {o['world_size']} rank(s)"
+    if "zero" in o:
+        z = o["zero"]
+        head += (f" | collective {z['collective']}" + (f", muon {z['muon_collective']} ({z['muon_buckets']} buckets)"
+                                                       if z["muon_collective"] else "")
+                 + f" | reduce_dtype {z['reduce_dtype']} | overlap_backward {z['overlap_backward']} | "
+                 f"overlap_refresh {z['overlap_refresh']} | bucket {z['bucket_mb']:g} MiB | state "
+                 f"{o['state_bytes_this_rank'] / 2**20:.1f} MiB on this rank")
+    lines.append(head)
+    lines += [f"  G{i} {g['name']}: {g['params']:,} params, lr {g['lr_max']:g} -> {g['lr_min']:g}"
+              for i, g in enumerate(o["groups"])]
+    c = o["clip"]
+    pct = 100.0 * c["covered_params"] / max(c["total_params"], 1)
+    lines.append(f"  grad clip {c['max_norm']:g} ({c['mode']}) covers {c['covered_params']:,} / "
+                 f"{c['total_params']:,} params ({pct:.2f}%)")
+    if c["max_norm"] > 0 and pct < 25.0:
+        lines.append(f"  WARNING: the clip leaves {100 - pct:.2f}% of parameters (the orthogonalized matrices) "
+                     "unclipped")
+    lines.append(f"  weight decay on {o['decayed_params']:,} params (>= 2-D), none on {o['non_decayed_params']:,}")
+    if "muon" in o:
+        m = o["muon"]
+        lines.append(f"  muon: {m['matrices']} matrices, lr {m['lr_max']:g} -> {m['lr_min']:g}, momentum "
+                     f"{m['momentum']}, nesterov {m['nesterov']}, NS{m['ns_steps']}, adjust_lr {m['adjust_lr']}, "
+                     f"wd {m['weight_decay']:g}, collective buckets {m['comm_buffer_bytes'] / 2**20:.1f} MiB")
+    if "refresh_stages" in facts:
+        st = facts["refresh_stages"]
+        lines.append(f"  refresh stages: {len(st)} (" + ", ".join(f"{s['module']} {s['numel']:,}" for s in st[:3])
+                     + (", ..." if len(st) > 3 else "") + ")")
+        if facts["refresh_uncovered"]:
+            lines.append(f"  WARNING: no refresh stage covers {', '.join(facts['refresh_uncovered'])}: installed "
+                         "with stage 0, not overlapped")
+    lines.append("kernels: " + " ".join(f"{op}={b}" for op, b in facts["kernels"].items()))
+    lines.append(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
+                 f"validation: {run.val_set.n_seq * cfg.T:,} tokens split over {run.world_size} rank(s)")
+    lines.append(f"non-finite gradient norm: nan_policy={cfg.nan_policy} "
+                 + ("(the whole step is skipped on every rank)" if cfg.nan_policy == "step"
+                    else "(only the group whose norm is non-finite skips, as the reference trainer)"))
+    lines.append(f"dt: {facts['dt']} (step N's line is printed during step N+1)")
+    if run.nan_at or run.stall_at:
+        lines.append(f"FAULT INJECTION (testing aid): fault_nan_grad={cfg.fault_nan_grad!r} "
+                     f"fault_stall={cfg.fault_stall!r}")
+    lines.append(run.meter.banner(run.model.num_params(), run.tokens_per_step))
+    return lines
+
+
+# ---------------------------------------------------------------- one step
+
+class _HostCopy:
+    """A device vector copied to pinned host memory without blocking; read() waits for that copy
+    only (an event), so the host never stalls on the device's queue and no sync is issued."""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = values, None
+
+    def read(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+@dataclass
+class _PendingStep:
+    """A step whose scalars are still on their way to the host."""
+
+    step: int
+    t0: float
+    lrs: dict
+    val_loss: float | None
+    last_val: float | None          # the latest validation loss when the step ran
+    stats: StepStats
+    scalars: _HostCopy
+    end: float = 0.0
+
+
+def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=None) -> _PendingStep:
+    """Queue one optimizer step (accum micro-batches); `finish_previous` runs once the first
+    backward is queued, so reading the previous step's scalars never idles the device."""
+    t0 = time.perf_counter()
+    lrs = run.opt.set_lr(step)
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(run.accum):
+        if micro == 0 and (step, run.rank) in run.nan_at:
+            _poison_next_forward(run.model)
+        origin = run.train_loader.where()
+        x, y = run.train_loader.next_batch()
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        with run.opt.micro_step(last=micro == run.accum - 1):
+            _, loss = run.opt.forward_model(x, y)
+            (loss / run.accum).backward()
+        loss_sum += loss.detach().float() / run.accum
+        if run.diag is not None:
+            run.diag.record_micro(loss.detach(), *origin)
+        if micro == 0 and finish_previous is not None:
+            finish_previous()
+    work = dist.all_reduce(loss_sum, group=run.scalar_group, async_op=True) if run.world_size > 1 else None
+    stats = run.opt.step()
+    if work is not None:
+        work.wait()  # on NCCL a stream wait, not a host wait
+        loss_sum /= run.world_size
+    if run.diag is not None:  # a collective with one batched read of its own: diag costs a sync per step
+        for line in run.diag.end_step(step):
+            log.info(line)
+    scalars = _HostCopy(torch.cat([loss_sum.reshape(1), stats.values()]))
+    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars)
+
+
+def finish_step(run: _Run, p: _PendingStep) -> None:
+    """Read a queued step's scalars (one transfer), write its metrics row and step line, and stop
+    the run on a non-finite loss or too many skipped steps in a row."""
+    values = p.scalars.read()
+    train_loss, rec = values[0], StepRecord.from_values(p.stats, values[1:])
+    dt = p.end - p.t0
+    run.meter.observe(dt, run.tokens_per_step)
+    run.skipped_total += rec.skipped
+    run.skipped_in_a_row = run.skipped_in_a_row + 1 if rec.skipped else 0
+    row = _metrics_row(run, p, train_loss, rec, dt)
+    if run.metrics is not None:
+        run.metrics.write(row)
+        if run.previous is not None:
+            shutil.rmtree(run.previous, ignore_errors=True)
+            run.previous = None
+    line = _step_line(p.step, train_loss, p.last_val, row, rec, p.lrs, run.skipped_total, run.cfg.nan_policy)
+    log.info(line + (f" | resumed at {p.step}" if run.resumed_from is not None and p.step == run.start_step else ""))
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"non-finite training loss ({train_loss}) at step {p.step}; stopping the run")
+    if run.skipped_in_a_row >= run.cfg.max_consecutive_skips:
+        raise TrainingError(f"the gradient norm was non-finite for {run.skipped_in_a_row} steps in a row (through "
+                            f"step {p.step}); stopping the run (max_consecutive_skips)")
+    run.steps_done = p.step + 1
+
+
+def _metric_columns(opt) -> list[str]:
+    """metrics.csv after the seed's 11 columns: numeric, one column per fact (tidy)."""
+    per_group = [f"{kind}_{name}" for name, _, _ in opt.groups for kind in ("norm", "clip", "skipped")]
+    return ["tokens", "grad_accum", "skipped", "last_val_loss", "lr_muon", "clip_covered_frac", "global_clip_coef",
+            "ns_rejected", "ns_rejected_total", "nsratio", "peak_mem_gib", *per_group]
+
+
+def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord, dt: float) -> dict:
+    meter, tps, dev = run.meter, run.tokens_per_step, run.device
+    row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
+           "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
+           "mfu": meter.mfu(dt, tps), "mfu_palm": meter.mfu_palm(dt, tps),
+           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps),
+           "tokens": (p.step + 1) * tps, "grad_accum": run.accum, "skipped": int(rec.skipped),
+           "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
+           "global_clip_coef": rec.global_clip_coef, "ns_rejected": rec.ns_rejected,
+           "ns_rejected_total": rec.ns_rejected_total, "nsratio": rec.ns_ratio,
+           "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+    for name in rec.group_norms:
+        row[f"norm_{name}"] = rec.group_norms[name]
+        row[f"clip_{name}"] = rec.group_clip[name]
+        row[f"skipped_{name}"] = int(rec.group_skipped[name])
+    return row
+
+
+def _step_line(step, train_loss, last_val, row, rec: StepRecord, lrs, skipped_total, nan_policy) -> str:
+    """The reference trainer's step line, plus blunb's group norms and skip notes."""
+    val_txt = f"{last_val:.6f}" if last_val is not None else "n/a"
+    mfu_txt = "n/a" if math.isnan(row["mfu"]) else f"{row['mfu'] * 100:.2f}%"
+    line = (f"step {step:6d} | train {train_loss:.6f} | val {val_txt} | tok/s {row['tok_per_sec']:.2f} | "
+            f"norm {rec.grad_norm:.4f} | dt {row['dt_ms']:.2f} ms | mfu {mfu_txt} | "
+            f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
+    if len(rec.group_norms) > 1:
+        line += "".join(f" | {k} {v:.4f}" for k, v in rec.group_norms.items())
+    if rec.global_clip_coef is not None:
+        line += f" | globalclip {rec.global_clip_coef:.4f}"
+    if rec.ns_rejected is not None:
+        line += f" | nsrej {rec.ns_rejected}/{rec.ns_rejected_total} | nsratio {rec.ns_ratio:.3f}"
+    if rec.skipped:
+        bad = [k for k, v in rec.group_norms.items() if not math.isfinite(v)]
+        where = f" in {', '.join(bad)}" if bad else ""
+        if nan_policy == "group" and len(rec.skipped_groups) < len(rec.group_norms):
+            line += f" | SKIPPED {', '.join(rec.skipped_groups)} only (non-finite norm; nan_policy=group"
+        else:
+            line += f" | SKIPPED (non-finite gradient norm{where}; every group skipped"
+        line += f"; {skipped_total} so far)"
+    return line
+
+
+def _validate_if_due(run: _Run, step: int) -> float | None:
+    cfg = run.cfg
+    if step % cfg.val_freq and step != cfg.max_steps - 1:
+        return None
+    run.opt.drain()  # install any staged parameter refresh before reading the weights
+    run.last_val = evaluate(run.model, run.val_set, cfg.B, run.device, run.world_size)
+    if run.rank == 0:
+        write_status(run.run_dir, "running", step, cfg.max_steps)
+    return run.last_val
+
+
+# ---------------------------------------------------------------- the loop
+
+def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume: str | Path | None = None) -> Path:
+    """Train `cfg`, writing the run folder; returns run_dir. Works single-process and under torchrun.
+
+    resume: "auto" continues from the newest valid checkpoint in the run folder (a fresh start when
+    there is none), a path continues from that checkpoint; metrics.csv and diag.csv rows of the
+    steps it re-runs are set aside first. Config, checkpoint, run-folder and data errors are raised
+    before the run folder is touched. The folder's status.json says how the run ended: completed,
+    failed (with the error) or killed.
+    """
+    run_dir = Path(run_dir)
+    rank, world_size, local_rank = _dist_env()
+    cfg.validate(world_size)
+    check_run_dir(run_dir, overwrite or resume is not None)
+    device = _pick_device(cfg, local_rank)
+    if cfg.kernels != "auto":
+        os.environ["BLUNB_KERNELS"] = cfg.kernels
+    _init_distributed(cfg, device, world_size)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_killed) \
         if threading.current_thread() is threading.main_thread() else None
-    log = Console(rank)
-    metrics = opt = None
+    run_log = _RunLog(rank)
+    run = None
     step = 0
-    started = False
     try:
-        data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
-        meta = corpus_meta(data_dir)
-        torch.manual_seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        # Shard order comes from the seed: every rank permutes identically.
-        order = np.random.default_rng(cfg.seed).permutation(len(train_shards))
-        train_loader = ShardLoader([train_shards[i] for i in order], cfg.B, cfg.T, rank, world_size)
-        val_set = ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T, rank, world_size)
-
-        # Everything is checked: from here on the run folder belongs to this run.
-        previous = None
-        if rank == 0:
-            previous = _start_run_dir(run_dir)
-            write_status(run_dir, "running", 0, cfg.max_steps)
-            (run_dir / "config.json").write_text(cfg.to_json())
-            env = environment(world_size, device, shards=None if cfg.data == "default" else train_shards + val_shards)
-            env["corpus"] = {"dir": str(data_dir), **meta}
-            (run_dir / "env.json").write_text(json.dumps(env, indent=2))
-            log.open(run_dir / "log.txt")
-            metrics = MetricsWriter(run_dir / "metrics.csv", ["tokens", "grad_accum", "skipped", "lr_muon",
-                                                               "nsratio", "group_norms", "peak_mem_gib"])
-        started = True
-        if previous is not None:
-            log(f"the earlier run in {run_dir} was moved to {previous} (removed after this run's first step)")
-
-        model = BLU(cfg.model, device=device, seed=cfg.seed)
-        opt = build_optimizers(model, cfg, device, world_size)
-        accum = cfg.grad_accum_steps(world_size)
-        tokens_per_step = cfg.B * cfg.T * accum * world_size
-        nan_at, stall_at = cfg.fault_nan_grad_at(), cfg.fault_stall_at()
-
-        log(f"blunb {cfg.preset}: {model.num_params():,} params | world {world_size} x {device} | "
-            f"B {cfg.B} T {cfg.T} accum {accum} -> {tokens_per_step:,} tokens/step")
-        log(opt.describe())
-        log("kernels: " + " ".join(f"{op}={b}" for op, b in kernels.describe(device).items()))
-        log(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
-            f"validation: {val_set.n_seq * cfg.T:,} tokens split over {world_size} rank(s)")
-        log(f"non-finite gradient norm: nan_policy={cfg.nan_policy} "
-            + ("(the whole step is skipped on every rank)" if cfg.nan_policy == "step"
-               else "(only the group whose norm is non-finite skips, as the reference trainer)"))
-        if nan_at or stall_at:
-            log(f"FAULT INJECTION (testing aid): fault_nan_grad={cfg.fault_nan_grad!r} fault_stall={cfg.fault_stall!r}")
-        log(meter.banner(model.num_params(), tokens_per_step))
-
-        start = time.perf_counter()
-        last_val = None
-        skipped_total = skipped_run = 0
-        for step in range(cfg.max_steps):
-            if (step, rank) in stall_at:
+        run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume))
+        run.start += time.perf_counter()
+        pending = None                      # the previous step, until its scalars are read
+        for step in range(run.start_step, cfg.max_steps):
+            if (step, rank) in run.stall_at:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            last_step = step == cfg.max_steps - 1
-            val_this_step = None
-            if step % cfg.val_freq == 0 or last_step:
-                opt.drain()  # install any staged parameter refresh before reading the weights
-                last_val = val_this_step = evaluate(model, val_set, cfg.B, device, world_size)
-                if cfg.diag:
-                    log(f"[diag] replicas bit-identical: {check_replicas(model, world_size)}")
-                if rank == 0:
-                    write_status(run_dir, "running", step, cfg.max_steps)
-            t0 = time.perf_counter()
-            lrs = opt.set_lr(step)
-            loss_accum = torch.zeros((), device=device)
-            for micro in range(accum):
-                if micro == 0 and (step, rank) in nan_at:
-                    _poison_next_forward(model)
-                x, y = train_loader.next_batch()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with opt.micro_step(last=micro == accum - 1):
-                    _, loss = opt.forward_model(x, y)
-                    (loss / accum).backward()
-                loss_accum += loss.detach().float() / accum
-            stats = opt.step()
-            train_loss = float(_all_reduce_mean(loss_accum, world_size))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            meter.observe(dt, tokens_per_step)
-            skipped_total += stats["skipped"]
-            skipped_run = skipped_run + 1 if stats["skipped"] else 0
-            groups = stats.get("group_norms", {})
-            row = {"step": step, "train_loss": train_loss, "val_loss": val_this_step,
-                   "tok_per_sec": tokens_per_step / dt, "grad_norm": stats["grad_norm"], "dt_ms": dt * 1e3,
-                   "lr": lrs["lr"], "elapsed_min": (time.perf_counter() - start) / 60,
-                   "mfu": meter.mfu(dt, tokens_per_step), "mfu_palm": meter.mfu_palm(dt, tokens_per_step),
-                   "tflops_per_gpu": meter.tflops_per_gpu(dt, tokens_per_step),
-                   "tokens": (step + 1) * tokens_per_step, "grad_accum": accum, "skipped": stats["skipped"],
-                   "lr_muon": lrs.get("lr_muon"), "nsratio": stats.get("nsratio"),
-                   "group_norms": " ".join(f"{k}={v:.4g}" for k, v in groups.items()) or None,
-                   "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
-            if metrics:
-                metrics.write(row)
-                if previous is not None:
-                    shutil.rmtree(previous, ignore_errors=True)
-                    previous = None
-            log(_step_line(step, train_loss, last_val, row, stats, lrs, groups, skipped_total, cfg.nan_policy))
-            if not math.isfinite(train_loss):
-                raise TrainingError(f"non-finite training loss ({train_loss}) at step {step}; stopping the run")
-            if skipped_run >= cfg.max_consecutive_skips:
-                raise TrainingError(f"the gradient norm was non-finite for {skipped_run} steps in a row (through "
-                                    f"step {step}); stopping the run (max_consecutive_skips)")
-        step = cfg.max_steps
-        opt.drain()
-        if cfg.diag:
-            log(f"[diag] replicas bit-identical after the last step: {check_replicas(model, world_size)}")
-        if skipped_total:
-            log(f"{skipped_total} step(s) skipped for a non-finite gradient norm")
-        log()
-        log(meter.summary())
-        log("=== Training complete ===")
-        if rank == 0:
-            write_status(run_dir, "completed", step, cfg.max_steps)
-        opt = None
-        _destroy_process_group(world_size)
+            if pending is not None:
+                pending.end = time.perf_counter()
+            if cfg.ckpt_freq and step > run.start_step and step % cfg.ckpt_freq == 0:
+                if pending is not None:  # the checkpoint holds only steps that passed the health checks
+                    finish_step(run, pending)
+                    pending = None
+                _save_checkpoint(run, step)
+            val_loss = _validate_if_due(run, step)
+            previous = pending
+            pending = train_step(run, step, val_loss,
+                                 finish_previous=(lambda p=previous: finish_step(run, p)) if previous else None)
+        run.opt.drain()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if pending is not None:  # None when a resumed run had nothing left to do
+            pending.end = time.perf_counter()
+            finish_step(run, pending)
+        _finish_run(run)
         return run_dir
     except (RuntimeError, RunKilled, KeyboardInterrupt) as err:
         if isinstance(err, RuntimeError) and not isinstance(err, TrainingError) and _is_timeout(err):
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             err = TrainingError(f"a collective did not finish within collective_timeout_s={cfg.collective_timeout_s:g} "
                                 f"s at step {step} (a rank stalled or died): {first}", everywhere=False)
-            _record_end(rank, started, run_dir, step, cfg, err)
+            _record_end(rank, run, err)
             raise err from None
-        _record_end(rank, started, run_dir, step, cfg, err)
+        _record_end(rank, run, err)
         if isinstance(err, TrainingError) and err.everywhere:
-            opt = None
+            if run is not None:
+                run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
             _destroy_process_group(world_size)  # every rank stopped at the same point: nothing is pending
         raise
     except BaseException as err:
-        _record_end(rank, started, run_dir, step, cfg, err)
+        _record_end(rank, run, err)
         raise
     finally:
-        if metrics:
-            metrics.close()
-        log.close()
+        if run is not None and run.metrics is not None:
+            run.metrics.close()
+        if run is not None and run.diag is not None:
+            run.diag.close()
+        run_log.close()
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _save_checkpoint(run: _Run, step: int) -> None:
+    """checkpoints/step_<step>/ (the next step to run); a failed save is logged and the run goes on."""
+    extra = {"last_val_loss": run.last_val, "skipped_total": run.skipped_total,
+             "skipped_in_a_row": run.skipped_in_a_row, "elapsed_min": (time.perf_counter() - run.start) / 60}
+    checkpoint.save(run.run_dir, step, run.model, run.opt, {"train": run.train_loader}, extra, keep=run.cfg.ckpt_keep)
+
+
+def _finish_run(run: _Run) -> None:
+    """The closing lines and status, then tear the process group down."""
+    if run.skipped_total:
+        log.info(f"{run.skipped_total} step(s) skipped for a non-finite gradient norm")
+    log.info("")
+    log.info(run.meter.summary())
+    log.info("=== Training complete ===")
+    if run.rank == 0:
+        write_status(run.run_dir, "completed", run.cfg.max_steps, run.cfg.max_steps)
+    if run.metrics is not None:
+        run.metrics.close()
+        run.metrics = None
+    if run.diag is not None:
+        run.diag.close()
+        run.diag = None
+    world_size = run.world_size
+    run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
+    _destroy_process_group(world_size)
 
 
 def _destroy_process_group(world_size: int) -> None:
@@ -390,41 +712,11 @@ def _raise_killed(signum, frame):
     raise RunKilled(f"stopped by signal {signal.Signals(signum).name}")
 
 
-def _record_end(rank: int, started: bool, run_dir: Path, step: int, cfg: TrainConfig, err: BaseException) -> None:
-    if rank == 0 and started:
+def _record_end(rank: int, run: _Run | None, err: BaseException) -> None:
+    if rank == 0 and run is not None:
         killed = isinstance(err, (RunKilled, KeyboardInterrupt))
-        write_status(run_dir, "killed" if killed else "failed", step, cfg.max_steps,
+        write_status(run.run_dir, "killed" if killed else "failed", run.steps_done, run.cfg.max_steps,
                      error=f"{type(err).__name__}: {err}")
-
-
-def _all_reduce_mean(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= world_size
-    return t
-
-
-def _step_line(step, train_loss, last_val, row, stats, lrs, groups, skipped_total, nan_policy) -> str:
-    """The reference trainer's step line, plus blunb's group norms and skip notes."""
-    val_txt = f"{last_val:.6f}" if last_val is not None else "n/a"
-    mfu_txt = "n/a" if math.isnan(row["mfu"]) else f"{row['mfu'] * 100:.2f}%"
-    line = (f"step {step:6d} | train {train_loss:.6f} | val {val_txt} | tok/s {row['tok_per_sec']:.2f} | "
-            f"norm {stats['grad_norm']:.4f} | dt {row['dt_ms']:.2f} ms | mfu {mfu_txt} | "
-            f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
-    line += "".join(f" | {k} {v:.4f}" for k, v in groups.items())
-    if "global_clip" in stats:
-        line += f" | globalclip {stats['global_clip']:.4f}"
-    if "nsrej" in stats:
-        line += f" | nsrej {stats['nsrej'][0]}/{stats['nsrej'][1]} | nsratio {stats['nsratio']:.3f}"
-    if stats["skipped"]:
-        bad = [k for k, v in groups.items() if not math.isfinite(v)]
-        where = f" in {', '.join(bad)}" if bad else ""
-        if nan_policy == "group" and stats.get("skipped_groups"):
-            line += f" | SKIPPED {', '.join(stats['skipped_groups'])} only (non-finite norm; nan_policy=group"
-        else:
-            line += f" | SKIPPED (non-finite gradient norm{where}; every group skipped"
-        line += f"; {skipped_total} so far)"
-    return line
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
@@ -439,6 +731,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override any TrainConfig / ModelConfig field (repeatable)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
+    ap.add_argument("--resume", metavar="auto|PATH",
+                    help="auto: continue from the newest valid checkpoint in --run-dir (a fresh start when there "
+                         "is none); PATH: continue from that checkpoint folder")
     args = ap.parse_args(argv)
     cfg = preset(args.preset)
     if args.max_steps is not None:
@@ -458,7 +753,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
 def main(argv=None) -> None:
     try:
         cfg, args = parse_args(argv)
-        train(cfg, args.run_dir, overwrite=args.overwrite)
+        train(cfg, args.run_dir, overwrite=args.overwrite, resume=args.resume)
     except (ConfigError, DataError, TrainingError) as err:
         # Every rank raises the same config, data or training error: rank 0 speaks for all.
         rank = _dist_env()[0]

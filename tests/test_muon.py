@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def test_parity_owners_replicas_guard(world):
         run_all()
         return
     proc = torchrun(WORKER, world)
-    assert proc.stdout.count(f"OK W={world}") == 7, proc.stdout
+    assert proc.stdout.count(f"OK W={world}") == 10, proc.stdout
     assert "FutureWarning" not in proc.stderr, proc.stderr  # one collectives shim for both torch stacks
 
 
@@ -140,8 +141,30 @@ def test_rejects_bad_arguments(monkeypatch):
         ShardedMuon([{"params": [nn.Parameter(torch.randn(4))], "use_muon": True}], lr=0.1)
     with pytest.raises(ValueError):
         NewtonSchulz(coefficients=(1.0, 2.0))
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        ShardedMuon([p], lr=0.1, reduce_dtype="fp16")
+    with pytest.raises(ValueError, match="stages"):  # an explicit error, as ShardedAdamW's
+        ShardedMuon([p], lr=0.1, overlap_refresh=True)
     monkeypatch.setenv("BLUNB_NS_GRAPHS", "0")
     assert not graphs_enabled() and not NewtonSchulz().graphs
+
+
+def test_refresh_stage_map_and_hooks_hold_the_optimizer_weakly():
+    model = _Toy(False)
+    opt = build_muon(model, lr=0.02, adamw_lr=3e-3, overlap_refresh=True, stages=model, verbose=False)
+    stage_map = opt.refresh_stage_map()
+    assert len(stage_map["stages"]) == 3 and stage_map["uncovered"] == []  # model root, then each block
+    assert all(set(row) == {"params", "numel", "bytes", "collectives"} for row in stage_map["stages"])
+    assert len(model._forward_pre_hooks) == 1 and all(len(b._forward_pre_hooks) == 1 for b in model.blocks)
+    ref = weakref.ref(opt)
+    del opt                      # no reference cycle: freed at once, and its hooks go with it
+    assert ref() is None
+    assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
+    blocks_only = [(b, list(b.parameters())) for b in model.blocks]
+    opt = build_muon(model, lr=0.02, adamw_lr=3e-3, overlap_refresh=True, stages=blocks_only, verbose=False)
+    uncovered = {id(p) for p in opt.refresh_stage_map()["uncovered"]}
+    assert uncovered == {id(model.wte.weight), id(model.norm_f.weight), id(model.lm_head.weight)}
+    assert build_muon(model, lr=0.02, adamw_lr=3e-3, verbose=False).refresh_stage_map() is None
 
 
 def test_parameters_without_grad_are_not_stepped_like_torch():

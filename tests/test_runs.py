@@ -117,3 +117,23 @@ def test_environment_records_threads_versions_and_shards(tmp_path):
     assert [s["name"] for s in env["shards"]] == ["train_000000.bin"] and len(env["shards"][0]["sha256"]) == 64
     assert "shards" not in environment(1, "cpu")
     json.dumps(env)
+
+
+def test_summarize_reports_steady_aggregates_not_medians(tmp_path):
+    path = tmp_path / "uneven"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"preset": "tiny", "optimizer": "adamw", "max_steps": 6,
+                                                  "mfu_warmup": 2}))
+    (path / "env.json").write_text(json.dumps({"world_size": 1, "device": "cpu"}))
+    w = MetricsWriter(path / "metrics.csv", [])
+    tokens = 1000.0
+    dts = [500.0, 400.0, 10.0, 10.0, 10.0, 970.0]   # ms; the first two are warm-up
+    mfus = [0.1, 0.1, 0.5, 0.5, 0.5, 0.1]
+    for s, (dt, mfu) in enumerate(zip(dts, mfus)):
+        w.write({"step": s, "train_loss": 5.0, "val_loss": None, "tok_per_sec": tokens / (dt / 1e3), "grad_norm": 1.0,
+                 "dt_ms": dt, "lr": 1e-3, "elapsed_min": 0.0, "mfu": mfu, "mfu_palm": mfu, "tflops_per_gpu": 0.0})
+    w.close()
+    row = summarize([load_run(path)]).iloc[0]
+    # 4 steady steps, 4000 tokens in 1.0 s: the median step (100 k tok/s) would overstate it 25x.
+    assert row["steady_tok_per_sec"] == pytest.approx(4000.0)
+    assert row["steady_mfu"] == pytest.approx((3 * 0.5 * 10 + 0.1 * 970) / 1000)

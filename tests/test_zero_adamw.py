@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw, global_clip, refresh_stages
+from blunb.optim.clip import global_clip
+from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw, refresh_stages
 from tests.distributed import REPO, torchrun
 
 WORKER = REPO / "tests" / "workers" / "zero_adamw_worker.py"

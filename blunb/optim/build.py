@@ -5,56 +5,142 @@
 - "muon": ShardedMuon on the transformer body's 2-D matrices (whole-matrix owners), the
   rest (embedding, lm_head, every 1-D scale) on dtype-grouped ShardedAdamW; each group on
   the same WSD curve with its own (max, min) lr.
-- "ddp_adamw": torch DDP + torch.optim.AdamW (fused on CUDA), the reference the ZeRO arms
+- "ddp_adamw": what a user would write without blunb: fp32 parameters, autocast bf16 on CUDA,
+  torch DDP, fused torch AdamW, torch's global clip_grad_norm_. The reference the ZeRO arms
   are measured against.
 
-Clipping: each group clips on its own exact norm; with global_clip one coefficient for all
-groups, derived from the norm of what it scales (covered) unless global_clip_strict. Muon's
-orthogonalized matrices are never clipped.
+Clipping and skipping follow blunb.optim.clip.prepare_group_step (per group, or one global
+coefficient; nan_policy "step" or "group"). Muon's orthogonalized matrices are never clipped.
 
-Skipping: with nan_policy="step" (the default, the AMP / DeepSpeed rule) a non-finite gradient
-norm in any group skips the whole step in every group on every rank; nan_policy="group" is the
-reference trainer's rule (only the group whose norm is non-finite skips; with global_clip the
-global norm decides for all).
+The interface every optimizer set implements (the training loop uses nothing else):
+    forward_model                 the module to call for the loss (DDP wrapper or the model)
+    micro_step(last) -> context   around each micro-batch's forward + backward
+    set_lr(step) -> dict          the WSD learning rates of this step ({"lr", "lr_muon"?})
+    step() -> StepStats           one optimizer step; its statistics stay on the device
+    drain()                       install any staged parameter refresh (before reading weights)
+    describe() -> dict            the start-of-run facts (precision, ZeRO variant, groups, ...)
+    groups                        [(name, optimizer, (lr_max, lr_min))]; each optimizer's
+                                  state_dict(param_names) is what blunb.checkpoint saves and loads
+    cfg                           the TrainConfig it was built from
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from blunb.config import TrainConfig
+from blunb.optim.clip import prepare_group_step
 from blunb.optim.schedule import wsd_lr
 
 _DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+@dataclass
+class StepStats:
+    """One optimizer step's statistics, as device tensors: the loop copies them to the host in
+    one batched read (`values()` then `StepRecord.from_values`), never one sync per number."""
+
+    group_names: list[str]
+    norms: torch.Tensor                 # [G] gradient norm of each group (the full group, for the log)
+    clip_coefs: torch.Tensor            # [G] coefficient applied to each group (1 = unclipped or skipped)
+    skipped: torch.Tensor               # [G] 1 where the group did not step
+    global_clip_coef: torch.Tensor | None = None
+    ns_rejected: torch.Tensor | None = None        # Muon: matrix updates rejected this step
+    ns_rejected_total: torch.Tensor | None = None  # ... and over the run
+    ns_ratio: torch.Tensor | None = None           # worst accepted ||U||_F / sqrt(min(rows, cols))
+
+    def values(self) -> torch.Tensor:
+        """Everything as one fp32 vector on the device (the order StepRecord.from_values reads)."""
+        extra = [t.reshape(1).float() for t in (self.global_clip_coef, self.ns_rejected, self.ns_rejected_total,
+                                                 self.ns_ratio) if t is not None]
+        return torch.cat([self.norms.float(), self.clip_coefs.float(), self.skipped.float(), *extra])
+
+
+@dataclass
+class StepRecord:
+    """StepStats read back to the host: what the step line and metrics.csv show."""
+
+    grad_norm: float
+    group_norms: dict[str, float]
+    group_clip: dict[str, float]
+    group_skipped: dict[str, bool]
+    global_clip_coef: float | None = None
+    ns_rejected: int | None = None
+    ns_rejected_total: int | None = None
+    ns_ratio: float | None = None
+    skipped_groups: list[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> bool:
+        """The step changed nothing in at least one group."""
+        return bool(self.skipped_groups)
+
+    @classmethod
+    def from_values(cls, stats: StepStats, values: list[float]) -> "StepRecord":
+        names, n = stats.group_names, len(stats.group_names)
+        norms, coefs, skipped, rest = values[:n], values[n:2 * n], values[2 * n:3 * n], list(values[3 * n:])
+        rec = cls(grad_norm=math.sqrt(sum(v * v for v in norms)), group_norms=dict(zip(names, norms)),
+                  group_clip=dict(zip(names, coefs)), group_skipped={k: bool(s) for k, s in zip(names, skipped)},
+                  skipped_groups=[k for k, s in zip(names, skipped) if s])
+        if stats.global_clip_coef is not None:
+            rec.global_clip_coef = rest.pop(0)
+        if stats.ns_rejected is not None:
+            rec.ns_rejected, rec.ns_rejected_total, rec.ns_ratio = int(rest[0]), int(rest[1]), rest[2]
+        return rec
+
+
+def _clip_stats_vectors(opts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    norms = torch.stack([o.clip_stats.total_norm.float() for o in opts])
+    coefs = torch.stack([o.clip_stats.clip_coef.float() for o in opts])
+    skipped = torch.stack([o.clip_stats.found_inf for o in opts])
+    return norms, coefs, skipped
+
+
 class DDPAdamW:
-    """torch DDP + AdamW, no weight decay on 1-D params, clip_grad_norm_."""
+    """torch DDP + fused AdamW on fp32 parameters (autocast bf16 on CUDA), no weight decay on 1-D
+    params, torch.nn.utils.clip_grad_norm_ over all parameters. Sync-free: a non-finite norm
+    skips the fused update through its found_inf argument instead of a host check."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
         self.cfg = cfg
+        self.device = device
         self.forward_model = model
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.forward_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.params = list(model.parameters())
-        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        decay = [p for p in self.params if p.dim() >= 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,
-                                     fused=device.type == "cuda")
-        self.label = "torch DDP + AdamW" if world_size > 1 else "torch AdamW"
+        self.opt = torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        self.groups = [("adamw", self.opt, (cfg.max_lr, cfg.min_lr))]
+        self.label = "torch DDP + fused AdamW" if world_size > 1 else "torch fused AdamW"
+        self.autocast = device.type == "cuda"
+        self.world_size = world_size
+        self._decayed = sum(p.numel() for p in decay)
 
-    def describe(self) -> str:
-        return f"optimizer: {self.label}, clip {self.cfg.grad_clip:g} on all parameters"
+    def describe(self) -> dict:
+        total = sum(p.numel() for p in self.params)
+        return {"label": self.label, "world_size": self.world_size,
+                "precision": {"parameters": sorted({_DTYPE_LABEL.get(p.dtype, str(p.dtype)) for p in self.params}),
+                              "compute": "autocast bf16" if self.autocast else "fp32", "masters": "none (fp32 params)"},
+                "groups": [{"name": "adamw", "params": total, "lr_max": self.cfg.max_lr, "lr_min": self.cfg.min_lr}],
+                "clip": {"max_norm": self.cfg.grad_clip, "mode": "torch clip_grad_norm_ (global)",
+                         "covered_params": total, "total_params": total},
+                "decayed_params": self._decayed, "non_decayed_params": total - self._decayed}
 
+    @contextmanager
     def micro_step(self, last: bool):
-        return nullcontext() if last or not hasattr(self.forward_model, "no_sync") else self.forward_model.no_sync()
+        sync = nullcontext() if last or not hasattr(self.forward_model, "no_sync") else self.forward_model.no_sync()
+        cast = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with sync, cast:
+            yield
 
     def set_lr(self, step: int) -> dict:
         c = self.cfg
@@ -63,13 +149,15 @@ class DDPAdamW:
             g["lr"] = lr
         return {"lr": lr}
 
-    def step(self) -> dict:
+    def step(self) -> StepStats:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if math.isfinite(norm):  # one optimizer: a skipped step is skipped everywhere
-            self.opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).float()
+        found_inf = ~torch.isfinite(norm)
+        coef = torch.where(found_inf, 1.0, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        self.opt.found_inf = found_inf.float()  # the fused kernel leaves params, moments and steps as they were
+        self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": norm, "skipped": int(not math.isfinite(norm)), "skipped_groups": []}
+        return StepStats(["adamw"], norm[None], coef[None], found_inf[None])
 
     def drain(self) -> None:
         pass
@@ -80,16 +168,12 @@ class ZeroOptimizers:
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
         from blunb.optim.muon import ShardedMuon, muon_param_groups
-        from blunb.optim.zero_adamw import ShardedAdamW
+        from blunb.optim.zero_adamw import build_sharded_adamw
 
         self.cfg = cfg
         self.forward_model = model
         self.world_size = world_size
-        zero_kw = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
-                       collective=cfg.collective, reduce_dtype=cfg.reduce_dtype,
-                       overlap_backward=cfg.overlap_backward, overlap_refresh=cfg.overlap_refresh,
-                       bucket_mb=cfg.bucket_mb, stages=model if cfg.overlap_refresh else None)
-        self.groups: list[tuple[str, torch.optim.Optimizer, tuple[float, float]]] = []
+        stages = model if cfg.overlap_refresh else None
         adamw_params = list(model.parameters())
         self.muon = None
         if cfg.optimizer == "muon":
@@ -97,37 +181,51 @@ class ZeroOptimizers:
             self.muon = ShardedMuon([{"params": muon_group, "use_muon": True}], lr=cfg.muon_lr,
                                     momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
                                     weight_decay=cfg.muon_weight_decay, adjust_lr=cfg.muon_adjust_lr,
-                                    collective=cfg.collective, verbose=False)
+                                    collective=cfg.muon_collective, target_buckets=cfg.muon_buckets,
+                                    reduce_dtype=cfg.reduce_dtype, overlap_backward=cfg.overlap_backward,
+                                    overlap_refresh=cfg.overlap_refresh, stages=stages, verbose=False)
             in_muon = {id(p) for p in muon_group}
             adamw_params = [p for p in adamw_params if id(p) not in in_muon]
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in adamw_params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, ps in sorted(by_dtype.items(), key=lambda kv: sum(p.numel() for p in kv[1])):
-            opt = ShardedAdamW(ps, lr=cfg.max_lr, **zero_kw)
-            self.groups.append((f"adamw-{_DTYPE_LABEL.get(dtype, dtype)}", opt, (cfg.max_lr, cfg.min_lr)))
+        adamws = build_sharded_adamw(model, adamw_params, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
+                                     collective=cfg.collective, reduce_dtype=cfg.reduce_dtype,
+                                     overlap_backward=cfg.overlap_backward, overlap_refresh=cfg.overlap_refresh,
+                                     bucket_mb=cfg.bucket_mb, stages=stages)
+        self.groups: list[tuple[str, torch.optim.Optimizer, tuple[float, float]]] = [
+            (f"adamw_{_DTYPE_LABEL.get(o.dtype, str(o.dtype))}", o, (cfg.max_lr, cfg.min_lr)) for o in adamws]
         if self.muon is not None:  # the body is the largest group: it steps last
             self.groups.append(("muon", self.muon, (cfg.muon_lr, cfg.muon_min_lr)))
         self.label = "ZeRO-1 " + " + ".join(name for name, _, _ in self.groups)
+        self._decayed = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+        self._total = sum(p.numel() for p in model.parameters())
 
-    def describe(self) -> str:
+    def describe(self) -> dict:
+        c = self.cfg
         total = sum(o.total_numel() for _, o, _ in self.groups)
         covered = sum(o.clip_covered_numel() for _, o, _ in self.groups)
-        mib = sum(o.state_bytes() for _, o, _ in self.groups) / 2**20
-        lines = [f"optimizer: {self.label} over {self.world_size} rank(s), collective {self.cfg.collective}, "
-                 f"state {mib:.1f} MiB on this rank"]
-        if self.muon is not None and self.muon.comm_buffer_bytes():
-            lines[0] += f" (+ {self.muon.comm_buffer_bytes() / 2**20:.1f} MiB of Muon collective buckets)"
-        for i, (name, opt, (hi, lo)) in enumerate(self.groups):
-            lines.append(f"  G{i} {name}: {opt.total_numel():,} params, lr {hi:g} -> {lo:g}")
-        clip = "global" + (" strict" if self.cfg.global_clip_strict else " (covered)") \
-            if self.cfg.global_clip else "per group"
-        pct = 100.0 * covered / max(total, 1)
-        lines.append(f"  grad clip {self.cfg.grad_clip:g} ({clip}) covers {covered:,} / {total:,} params ({pct:.2f}%)")
-        if self.cfg.grad_clip > 0 and pct < 25.0:
-            lines.append(f"  WARNING: the clip leaves {100 - pct:.2f}% of parameters (the orthogonalized matrices) "
-                         "unclipped")
-        return "\n".join(lines)
+        facts = {
+            "label": self.label, "world_size": self.world_size,
+            "zero": {"collective": c.collective, "muon_collective": c.muon_collective if self.muon else None,
+                     "reduce_dtype": c.reduce_dtype, "overlap_backward": c.overlap_backward,
+                     "overlap_refresh": c.overlap_refresh, "bucket_mb": c.bucket_mb,
+                     "muon_buckets": c.muon_buckets if self.muon else None},
+            "state_bytes_this_rank": sum(o.state_bytes() for _, o, _ in self.groups),
+            "groups": [{"name": name, "params": o.total_numel(), "lr_max": hi, "lr_min": lo,
+                        "dtype": _DTYPE_LABEL.get(getattr(o, "dtype", None), "mixed")}
+                       for name, o, (hi, lo) in self.groups],
+            "precision": {"masters": "fp32 (in each rank's shard)"},
+            "clip": {"max_norm": c.grad_clip,
+                     "mode": ("global strict" if c.global_clip_strict else "global (covered)") if c.global_clip
+                     else "per group", "covered_params": covered, "total_params": total},
+            "decayed_params": self._decayed, "non_decayed_params": self._total - self._decayed,
+            "nan_policy": c.nan_policy,
+        }
+        if self.muon is not None:
+            facts["muon"] = {"lr_max": c.muon_lr, "lr_min": c.muon_min_lr, "momentum": c.muon_momentum,
+                             "nesterov": True, "ns_steps": c.muon_ns_steps, "weight_decay": c.muon_weight_decay,
+                             "adjust_lr": c.muon_adjust_lr, "matrices": len(self.muon._muon_params),
+                             "comm_buffer_bytes": self.muon.comm_buffer_bytes()}
+        return facts
 
     def micro_step(self, last: bool):
         if last:  # overlap_backward reduces buckets from hooks during the last micro-step only
@@ -144,35 +242,21 @@ class ZeroOptimizers:
             lrs["lr_muon" if name == "muon" else "lr"] = lr
         return lrs
 
-    def step(self) -> dict:
-        from blunb.optim.zero_adamw import global_clip
-
+    def step(self) -> StepStats:
+        c = self.cfg
         opts = [opt for _, opt, _ in self.groups]
-        gclip = global_clip(opts, self.cfg.grad_clip, strict=self.cfg.global_clip_strict) \
-            if self.cfg.global_clip and self.cfg.grad_clip > 0 else None
-        if gclip is None and self.cfg.nan_policy == "step" and len(opts) > 1:
-            # Every group's norm first, then one verdict for all of them (sync-free).
-            found = torch.stack([~torch.isfinite(opt.reduce_and_measure()[0]) for opt in opts]).any()
-            for opt in opts:
-                opt.set_external_clip_coef(None, found)
+        gclip = prepare_group_step(opts, c.grad_clip, c.global_clip, c.global_clip_strict, c.nan_policy)
         for opt in opts:
             opt.step()
-        n = len(opts)
-        norms = torch.stack([opt.clip_stats.total_norm for opt in opts]).float()
-        skipped = torch.stack([opt.clip_stats.found_inf for opt in opts]).float()
-        host = torch.cat([norms, skipped] + ([gclip.clip_coef.float()[None]] if gclip else [])).tolist()
-        names = [f"G{i}({name})" for i, (name, _, _) in enumerate(self.groups)]
-        out = {"grad_norm": math.sqrt(sum(v * v for v in host[:n])), "skipped": int(any(host[n:2 * n])),
-               "skipped_groups": [name for name, s in zip(names, host[n:2 * n]) if s]}
-        out["group_norms"] = dict(zip(names, host[:n]))
-        if gclip is not None:
-            out["global_clip"] = host[-1]
+        norms, coefs, skipped = _clip_stats_vectors(opts)
+        stats = StepStats([name for name, _, _ in self.groups], norms, coefs, skipped,
+                          global_clip_coef=gclip.clip_coef if gclip is not None else None)
         if self.muon is not None:
-            out["nsrej"] = (self.muon.ns_rejected_last_step, self.muon.rejected_ns_updates)
-            out["nsratio"] = self.muon.ns_max_update_ratio
+            stats.ns_rejected, stats.ns_rejected_total = self.muon._rejected_last, self.muon._rejected_total
+            stats.ns_ratio = self.muon._ratio_last
         for opt in opts:  # keep the flat-buffer views: every BLU parameter gets a gradient each step
             opt.zero_grad(set_to_none=False)
-        return out
+        return stats
 
     def drain(self) -> None:
         for _, opt, _ in self.groups:
@@ -184,14 +268,3 @@ def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, w
     if cfg.optimizer == "ddp_adamw":
         return DDPAdamW(model, cfg, device, world_size)
     return ZeroOptimizers(model, cfg, device, world_size)
-
-
-def check_replicas(model: nn.Module, world_size: int) -> bool:
-    """True when every rank holds the same parameters (a --diag check: an fp64 sum per tensor,
-    summed, compared exactly across ranks)."""
-    mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
-    if world_size == 1:
-        return True
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
-    return all(torch.equal(g, gathered[0]) for g in gathered)

@@ -18,6 +18,25 @@ updated parameter published to every rank. Two collective layouts:
 A parameter whose .grad is None on its owner is not stepped, as in torch: its master,
 momentum or moments and its step count stay as they were (the buckets still carry zeros).
 
+Switches (the meaning ShardedAdamW gives them):
+  reduce_dtype  "param" | "fp32" | "bf16": the dtype gradients are summed in (then divided
+      by W in that dtype). A dtype other than the parameter's gives each rs_ag bucket its
+      own reduce buffers, or each tensor a converted copy for reduce_bcast.
+  overlap_backward  once arm_grad_sync() is called (before the last micro-batch's
+      backward), post-accumulate-grad hooks issue each bucket's reduce-scatter (or each
+      tensor's reduce) asynchronously as soon as all of its gradients are complete; the
+      reduction then only waits. Units are issued in one fixed order on every rank, the
+      reverse of the parameter order (backward order when the parameters are given in
+      forward order); a unit ready early waits for its predecessors, and any unit the
+      backward never completes (a .grad of None) is issued by the reduction itself.
+  overlap_refresh  step() publishes asynchronously in forward order (all-gather per
+      bucket, broadcast per tensor) and forward pre-hooks on `stages` wait just before the
+      module that reads the parameters (a parameter no stage names waits at stage 0);
+      drain_refresh() installs everything still in flight, refresh_stage_map() shows
+      what each stage waits for.
+The serial and the overlapped paths issue the SAME collectives, in the same order, on the
+same bytes: their results are bit-identical by construction.
+
 Update on matrices = torch.optim.Muon(lr, momentum, nesterov, ns_steps, weight_decay,
 adjust_lr_fn=adjust_lr) on the averaged gradient: momentum lerp, Nesterov, NS in bf16
 (blunb.optim.newton_schulz: batched per shape, CUDA-graph replayed), decoupled weight
@@ -34,7 +53,9 @@ one above 1000 is rejected (the matrix is left as it was) and counted; `nsratio`
 worst ||update||_F / sqrt(min(rows, cols)) among accepted updates (healthy ~1).
 
 Everything in the step stays on the device: no host sync (counters are device tensors
-read by the properties, i.e. when logging).
+read by the properties, i.e. when logging). After step() the .grad values are collective
+scratch (reduce_bcast reduces in place when the dtypes agree). Hooks hold the optimizer
+weakly: dropping it frees it at once, no reference cycle.
 
 param_groups[0] is the Muon group (keys lr, momentum, nesterov, ns_steps, weight_decay,
 adjust_lr), param_groups[1] the aux AdamW group (lr, betas, eps, weight_decay); set each
@@ -44,6 +65,7 @@ group's "lr" every step (or use any LR scheduler). `state[p]` exists only on p's
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +75,7 @@ from torch import nn
 from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
 from blunb.optim.newton_schulz import NewtonSchulz
+from blunb.optim.zero_adamw import _REDUCE_DTYPES, _remove_hooks, _weak_hook, refresh_stages
 
 GUARD_MAX_ABS = 1000.0
 COLLECTIVES = ("rs_ag", "reduce_bcast")
@@ -99,14 +122,17 @@ class _ShapeGroup:
 
 @dataclass
 class _Bucket:
-    dtype: torch.dtype
     chunk: int                                    # padded per-rank sub-chunk numel
-    flat: torch.Tensor                            # [world * chunk]: RS input, AG output
-    own: torch.Tensor                             # [chunk]: RS output (grads), AG input (params)
+    flat: torch.Tensor                            # [world * chunk], param dtype: AG output
+    own: torch.Tensor                             # [chunk], param dtype: AG input (owned params)
+    rflat: torch.Tensor                           # [world * chunk], reduce dtype: RS input (is `flat` if equal)
+    rown: torch.Tensor                            # [chunk], reduce dtype: RS output (is `own` if equal)
     params: list = field(default_factory=list)    # every tensor in the bucket, all ranks'
     views: list = field(default_factory=list)     # its slot in `flat`
+    rviews: list = field(default_factory=list)    # its slot in `rflat`
     own_params: list = field(default_factory=list)
-    own_views: list = field(default_factory=list)  # its slot in `own` (owned tensors only)
+    own_views: list = field(default_factory=list)   # its slot in `own` (owned tensors only)
+    rown_views: list = field(default_factory=list)  # its slot in `rown`: the averaged gradient
 
 
 def muon_param_groups(model: nn.Module, exclude: tuple[str, ...] = ("lm_head",)) -> list[dict]:
@@ -140,6 +166,13 @@ class ShardedMuon(torch.optim.Optimizer):
     adamw_weight_decay (default weight_decay; applied to >= 2-D aux tensors only),
     ns_coefficients ("muon" | "polar_express" | (a, b, c)), ns_graphs / ns_syrk (None =
     auto; see NewtonSchulz), verbose (rank-0 construction report).
+
+    reduce_dtype, overlap_backward, overlap_refresh: see the module docstring. `stages`
+    (required by overlap_refresh, ignored otherwise, as ShardedAdamW): the model itself
+    (split by zero_adamw.refresh_stages), or a list of (module, params) in forward order
+    whose params are installed by a forward pre-hook on that module (stage 0's module
+    should be the model root). Give the parameters in forward order: the gradient
+    reduction is issued in their reverse order.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -147,13 +180,20 @@ class ShardedMuon(torch.optim.Optimizer):
                  collective: str = "rs_ag", target_buckets: int = 6, adamw_lr: float | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, *, max_grad_norm: float = 0.0,
                  adamw_weight_decay: float | None = None, ns_coefficients="muon",
-                 ns_graphs: bool | None = None, ns_syrk: bool | None = None, verbose: bool = True):
+                 ns_graphs: bool | None = None, ns_syrk: bool | None = None, reduce_dtype: str = "param",
+                 overlap_backward: bool = False, overlap_refresh: bool = False, stages=None,
+                 verbose: bool = True):
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
         if target_buckets < 1:
             raise ValueError(f"target_buckets must be >= 1, got {target_buckets}")
+        if reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(_REDUCE_DTYPES)}, got {reduce_dtype!r}")
+        if overlap_refresh and stages is None:
+            raise ValueError("overlap_refresh=True needs stages= (the model, or a list of (module, params) "
+                             "in forward order) so forward pre-hooks can install each stage")
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError("lr, momentum and weight_decay must be >= 0")
 
@@ -173,8 +213,12 @@ class ShardedMuon(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.ns = NewtonSchulz(ns_steps, ns_coefficients, graphs=ns_graphs, syrk=ns_syrk)
         self.device = (muon + aux)[0].device
+        self.reduce_dtype = reduce_dtype
+        self.overlap_backward = overlap_backward and self.world > 1
+        self.overlap_refresh = overlap_refresh
 
         self._muon_params, self._aux_params = muon, aux
+        self._red_dtype = {p: _REDUCE_DTYPES[reduce_dtype] or p.dtype for p in muon + aux}
         self._owner: dict[torch.Tensor, int] = {}
         for p, r in zip(muon, lpt_partition([ns_cost(p.shape, ns_steps) for p in muon], self.world)):
             self._owner[p] = r
@@ -197,6 +241,25 @@ class ShardedMuon(torch.optim.Optimizer):
         self._own_grad: dict[torch.Tensor, torch.Tensor] = {}
         self._no_grad: set[torch.Tensor] = set()   # owned tensors whose .grad was None at the reduce
         self._reduced = False
+        self._build_units()
+        self._armed = False
+        self._missing: list[int] = []      # per unit: gradients still to arrive in the armed backward
+        self._next_unit = 0                # position in _grad_order of the next unit to issue
+        self._grad_works: list = []
+        self._red: dict[torch.Tensor, torch.Tensor] = {}  # reduce_bcast: each tensor's reduce buffer
+        self._pending_publish: list = []   # per publish position: (async works, unit), not yet installed
+        self._installed = 0
+        self._stage_map = None
+
+        self._hook_handles: list = []
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
+        if self.overlap_backward:  # a tensor without requires_grad is left to the serial reduce
+            for p in muon + aux:
+                if p.requires_grad:
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(_weak_hook(self, "_on_grad", self._unit_of[p])))
+        if overlap_refresh:
+            self._set_stages(refresh_stages(stages) if isinstance(stages, nn.Module) else list(stages))
         self._external_coef = self._external_found_inf = None
         zero = lambda: torch.zeros((), dtype=torch.float32, device=self.device)  # noqa: E731
         self._skipped, self._rejected_total = zero(), zero()
@@ -260,19 +323,45 @@ class ShardedMuon(torch.optim.Optimizer):
                 chunk = max(sum(p.numel() for p in runs[r][k]) for r in range(self.world))
                 if chunk == 0:
                     continue
+                red = _REDUCE_DTYPES[self.reduce_dtype] or dtype
                 flat = torch.zeros(self.world * chunk, dtype=dtype, device=self.device)
-                b = _Bucket(dtype, chunk, flat, torch.zeros(chunk, dtype=dtype, device=self.device))
+                own = torch.zeros(chunk, dtype=dtype, device=self.device)
+                # Reduce and publish share the buffers when the dtypes agree: the publish
+                # only starts after the update has consumed the gradients.
+                rflat = flat if red == dtype else torch.zeros(self.world * chunk, dtype=red, device=self.device)
+                rown = own if red == dtype else torch.zeros(chunk, dtype=red, device=self.device)
+                b = _Bucket(chunk, flat, own, rflat, rown)
                 for r in range(self.world):
                     off = 0
                     for p in runs[r][k]:
+                        lo, hi = r * chunk + off, r * chunk + off + p.numel()
                         b.params.append(p)
-                        b.views.append(flat[r * chunk + off: r * chunk + off + p.numel()].view(p.shape))
+                        b.views.append(flat[lo:hi].view(p.shape))
+                        b.rviews.append(rflat[lo:hi].view(p.shape))
                         if r == self.rank:
                             b.own_params.append(p)
-                            b.own_views.append(b.own[off: off + p.numel()].view(p.shape))
+                            b.own_views.append(own[off: off + p.numel()].view(p.shape))
+                            b.rown_views.append(rown[off: off + p.numel()].view(p.shape))
                         off += p.numel()
                 buckets.append(b)
         return buckets
+
+    def _build_units(self) -> None:
+        """The collective units (an rs_ag bucket, or one tensor for reduce_bcast; none at W = 1)
+        and their fixed orders, the same on every rank: gradients in backward order (a unit
+        is complete once its earliest parameter's gradient arrives), publishes in forward order."""
+        everything = self._muon_params + self._aux_params
+        if self.world == 1:
+            self._units = []
+        elif self.collective == "rs_ag":
+            self._units = [b.params for b in self._buckets]
+        else:
+            self._units = [[p] for p in everything]
+        index = {p: i for i, p in enumerate(everything)}
+        first = [min(index[p] for p in unit) for unit in self._units]
+        self._unit_of = {p: u for u, unit in enumerate(self._units) for p in unit}
+        self._grad_order = sorted(range(len(self._units)), key=lambda u: -first[u])
+        self._publish_order = sorted(range(len(self._units)), key=lambda u: first[u])
 
     def describe(self) -> str:
         n_muon = sum(p.numel() for p in self._muon_params)
@@ -290,7 +379,8 @@ class ShardedMuon(torch.optim.Optimizer):
                 f"(lr {g0['lr']:g}, momentum {g0['momentum']}, nesterov {g0['nesterov']}, NS{g0['ns_steps']}, "
                 f"adjust_lr {g0['adjust_lr']}, wd {g0['weight_decay']}); {len(self._aux_params)} tensors "
                 f"({n_aux} params) -> AdamW (lr {g1['lr']:g}); world {self.world}, collective {self.collective}, "
-                f"{len(self._buckets)} buckets\n[ShardedMuon] {clip}")
+                f"{len(self._buckets)} buckets, reduce_dtype {self.reduce_dtype}, overlap_backward "
+                f"{self.overlap_backward}, overlap_refresh {self.overlap_refresh}\n[ShardedMuon] {clip}")
 
     # ------------------------------------------------------------------ shared surface
     def owner_of(self, param: torch.Tensor) -> int:
@@ -309,10 +399,26 @@ class ShardedMuon(torch.optim.Optimizer):
         self._external_coef, self._external_found_inf = coef, found_inf
 
     def arm_grad_sync(self) -> None:
-        """No-op: the gradient reduction runs after backward (no backward overlap here)."""
+        """Call before the LAST micro-step's backward: with overlap_backward, units reduce
+        from the gradient hooks as they complete (a no-op otherwise)."""
+        if self.overlap_backward:
+            self._wait_grad_works()    # armed again without a step: start the reduction over
+            self._missing = [len(unit) for unit in self._units]
+            self._next_unit = 0
+            self._armed = True
 
     def drain_refresh(self) -> None:
-        """No-op: step() publishes updated parameters synchronously before returning."""
+        """Install every parameter still in flight (before validation, checkpoint or exit)."""
+        self._install(len(self._pending_publish))
+        self._pending_publish, self._installed = [], 0
+
+    def refresh_stage_map(self) -> dict | None:
+        """What overlap_refresh's forward pre-hooks wait for (None without overlap_refresh):
+        {"stages": per stage {"params", "numel", "bytes", "collectives"} of the publishes its
+        pre-hook waits for and installs (beyond the earlier stages'; at W = 1 nothing is in
+        flight), "uncovered": the parameters no stage names (they wait at stage 0); map them
+        to names through model.named_parameters() by identity}."""
+        return self._stage_map
 
     @property
     def clip_stats(self) -> ClipStats | None:
@@ -348,11 +454,18 @@ class ShardedMuon(torch.optim.Optimizer):
         return total
 
     def comm_buffer_bytes(self) -> int:
-        return sum((b.flat.numel() + b.own.numel()) * b.flat.element_size() for b in self._buckets)
+        """Bytes of the rs_ag buckets (their reduce buffers counted once when shared)."""
+        total = 0
+        for b in self._buckets:
+            bufs = {id(t): t for t in (b.flat, b.own, b.rflat, b.rown)}.values()
+            total += sum(t.numel() * t.element_size() for t in bufs)
+        return total
 
     @torch.no_grad()
     def replica_checksum(self) -> float:
-        """Position-weighted fp64 sum of every parameter: bit-identical replicas agree."""
+        """Position-weighted fp64 sum of every parameter: bit-identical replicas agree.
+        Installs pending refreshes first."""
+        self.drain_refresh()
         params = self._muon_params + self._aux_params
         sums = torch.stack([p.detach().double().sum() for p in params])
         return float((sums * torch.arange(1, len(params) + 1, dtype=torch.float64, device=sums.device)).sum())
@@ -364,27 +477,24 @@ class ShardedMuon(torch.optim.Optimizer):
         sq_norm_covered), 0-dim fp32 device tensors summed over ranks (covered = the
         aux-AdamW part, the only part the clip scales). The next step() reuses this."""
         W = self.world
-        self._no_grad = {p for p in self._owned_muon + self._owned_aux if p.grad is None}
-        if W == 1:
-            self._own_grad = {p: self._grad(p) for p in self._owned_muon + self._owned_aux}
-        elif self.collective == "rs_ag":
-            self._own_grad = {}
-            for b in self._buckets:  # every bucket holds some rank's tensors, so never empty
-                torch._foreach_copy_(b.views, [self._grad(p) for p in b.params])
-                collectives.reduce_scatter(b.own, b.flat, op=dist.ReduceOp.SUM, group=self.process_group)
-                b.own.mul_(1.0 / W)
-                self._own_grad.update(zip(b.own_params, b.own_views))
+        owned = self._owned_muon + self._owned_aux
+        self._no_grad = {p for p in owned if p.grad is None}
+        if W == 1:  # no reduce, but the gradient still takes the reduce dtype, as at any W
+            self._own_grad = {p: self._grad(p).to(self._red_dtype[p]) for p in owned}
         else:
-            self._own_grad = {}
-            for p in self._muon_params + self._aux_params:
-                g = self._grad(p)
-                if p.grad is None:
-                    p.grad = g  # reduce in place needs a real buffer
-                owner = self._owner[p]
-                dst = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
-                dist.reduce(g, dst=dst, op=dist.ReduceOp.SUM, group=self.process_group)
-                if owner == self.rank:
-                    self._own_grad[p] = g.mul_(1.0 / W)
+            start = self._next_unit if self._armed else 0
+            for u in self._grad_order[start:]:     # the units the hooks did not issue
+                self._grad_works += self._reduce_unit(u)
+            self._armed = False
+            self._wait_grad_works()
+            if self.collective == "rs_ag":
+                self._own_grad = {}
+                for b in self._buckets:
+                    b.rown.mul_(1.0 / W)
+                    self._own_grad.update(zip(b.own_params, b.rown_views))
+            else:
+                self._own_grad = {p: self._red[p].mul_(1.0 / W) for p in owned}
+            self._red = {}
         sq = torch.stack([self._sq_norm([self._own_grad[p] for p in self._owned_muon]),
                           self._sq_norm([self._own_grad[p] for p in self._owned_aux])])
         if W > 1:
@@ -392,6 +502,45 @@ class ShardedMuon(torch.optim.Optimizer):
         self._sq_total, self._sq_covered = sq[0] + sq[1], sq[1]
         self._reduced = True
         return self._sq_total, self._sq_covered
+
+    @torch.no_grad()
+    def _reduce_unit(self, u: int) -> list:
+        """Issue unit u's gradient reduction (SUM, asynchronous); the serial and the
+        overlapped paths both come through here, so they issue the same bytes."""
+        self.drain_refresh()   # the new parameters must have landed (rs_ag: `flat` is also the RS input)
+        if self.collective == "rs_ag":
+            b = self._buckets[u]
+            have = [(v, p.grad) for v, p in zip(b.rviews, b.params) if p.grad is not None]
+            if have:
+                torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
+            for v, p in zip(b.rviews, b.params):
+                if p.grad is None:
+                    v.zero_()
+            return [collectives.reduce_scatter(b.rown, b.rflat, op=dist.ReduceOp.SUM, group=self.process_group,
+                                               async_op=True)]
+        (p,) = self._units[u]
+        rd = self._red_dtype[p]
+        # In place on .grad when the dtypes agree (it is collective scratch afterwards).
+        red = self._red[p] = torch.zeros_like(p, dtype=rd) if p.grad is None else p.grad.to(rd)
+        return [dist.reduce(red, group_dst=self._owner[p], op=dist.ReduceOp.SUM, group=self.process_group,
+                            async_op=True)]
+
+    def _on_grad(self, u: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of a parameter of unit u: when armed, issue every unit
+        whose gradients are now complete, strictly in the fixed order (so every rank issues
+        the same sequence)."""
+        if not self._armed:
+            return
+        self._missing[u] -= 1
+        order = self._grad_order
+        while self._next_unit < len(order) and self._missing[order[self._next_unit]] == 0:
+            self._grad_works += self._reduce_unit(order[self._next_unit])
+            self._next_unit += 1
+
+    def _wait_grad_works(self) -> None:
+        for w in self._grad_works:
+            w.wait()
+        self._grad_works = []
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         return p.grad if p.grad is not None else torch.zeros_like(p)
@@ -432,8 +581,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._skipped += stats.found_inf.float()
         rejected, ratio = self._muon_step(stats.found_inf)
         self._aux_adamw_step(stats.clip_coef, stats.found_inf)
-        self._publish()
-        if self.world > 1:
+        if self.world > 1:  # before the publish, so this small gather does not queue behind it
             both = torch.stack([rejected, ratio])
             gathered = torch.empty(self.world * 2, dtype=torch.float32, device=self.device)
             collectives.all_gather(gathered, both, group=self.process_group)
@@ -441,6 +589,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._rejected_last, self._ratio_last = rejected, ratio
         self._rejected_total += rejected
         self._own_grad, self._no_grad = {}, set()
+        self._publish()
         return loss
 
     def _muon_step(self, found_inf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -513,35 +662,146 @@ class ShardedMuon(torch.optim.Optimizer):
             master.addcmul_(m / denom, step_size)
 
     def _publish(self) -> None:
-        """Owner's master -> every rank's parameter."""
+        """Owner's master -> every rank's parameter: issued in forward order; waited for here,
+        or with overlap_refresh by the stages' forward pre-hooks (and drain_refresh)."""
         owned = self._owned_muon + self._owned_aux
         if owned and (self.world == 1 or self.collective == "reduce_bcast"):
             torch._foreach_copy_([p.data for p in owned], [self.state[p]["master"] for p in owned])
         if self.world == 1:
             return
-        if self.collective == "reduce_bcast":
-            for p in self._muon_params + self._aux_params:
-                owner = self._owner[p]
-                src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
-                dist.broadcast(p.data, src=src, group=self.process_group)
-            return
         for b in self._buckets:
             if b.own_params:
                 torch._foreach_copy_(b.own_views, [self.state[p]["master"] for p in b.own_params])
-            collectives.all_gather(b.flat, b.own, group=self.process_group)
-            torch._foreach_copy_([p.data for p in b.params], b.views)
+        self._pending_publish = [(self._publish_unit(u), u) for u in self._publish_order]
+        self._installed = 0
+        if not self.overlap_refresh:
+            self.drain_refresh()
+
+    def _publish_unit(self, u: int) -> list:
+        if self.collective == "rs_ag":
+            b = self._buckets[u]
+            return [collectives.all_gather(b.flat, b.own, group=self.process_group, async_op=True)]
+        (p,) = self._units[u]
+        return [dist.broadcast(p.data, group_src=self._owner[p], group=self.process_group, async_op=True)]
+
+    def _install(self, upto: int) -> None:
+        """Wait for the publishes before position `upto` and install them (a broadcast lands
+        in the parameter itself; an all-gathered bucket is copied out)."""
+        while self._installed < min(upto, len(self._pending_publish)):
+            works, u = self._pending_publish[self._installed]
+            for w in works:
+                w.wait()
+            if self.collective == "rs_ag":
+                b = self._buckets[u]
+                torch._foreach_copy_([p.data for p in b.params], b.views)
+            self._installed += 1
+
+    # ---------------------------------------------------------- overlap_refresh
+    def _set_stages(self, stages) -> None:
+        """Publish order and per-stage wait positions from `stages` (forward order); a
+        parameter no stage names is installed with stage 0: always correct, not overlapped."""
+        stage_of = {}
+        for s, (_, ps) in enumerate(stages):
+            for p in ps:
+                stage_of.setdefault(id(p), s)
+        stage = lambda p: stage_of.get(id(p), 0)
+        first_stage = [min(stage(p) for p in unit) for unit in self._units]
+        self._publish_order = sorted(self._publish_order, key=lambda u: first_stage[u])  # stable: forward order
+        pos = {u: k for k, u in enumerate(self._publish_order)}
+        need = [0] * len(stages)
+        for u, unit in enumerate(self._units):
+            for p in unit:
+                need[stage(p)] = max(need[stage(p)], pos[u] + 1)
+        for s in range(1, len(stages)):         # a stage also waits for everything before it
+            need[s] = max(need[s], need[s - 1])
+        self._stage_wait_pos = need
+        rows = []
+        for s in range(len(stages)):
+            units = [self._units[u] for u in self._publish_order[need[s - 1] if s else 0: need[s]]]
+            params = [p for unit in units for p in unit]
+            rows.append({"params": len(params), "numel": sum(p.numel() for p in params),
+                         "bytes": sum(p.numel() * p.element_size() for p in params), "collectives": len(units)})
+        self._stage_map = {"stages": rows,
+                           "uncovered": [p for p in self._muon_params + self._aux_params if id(p) not in stage_of]}
+        for s, (module, _) in enumerate(stages):
+            self._hook_handles.append(module.register_forward_pre_hook(_weak_hook(self, "_install_stage", s)))
+
+    def _install_stage(self, s: int, *_) -> None:
+        self._install(self._stage_wait_pos[s])
 
     # ------------------------------------------------------------------ checkpoints
-    def load_state_dict(self, state_dict) -> None:
-        """torch casts loaded state to each param's dtype, which would round the fp32
-        masters of bf16 params; ours is fp32 by design, so it is restored from the
-        incoming dict itself."""
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(saved_ids, params):
-            if i in state_dict["state"]:
-                self.state[p] = {k: v.detach().to(self.device, torch.float32, copy=True)
-                                 for k, v in state_dict["state"][i].items()}
-        for p in self._owned_aux:
-            self.state[p]["adamw_step"] = self.state[p]["adamw_step"].reshape(())
+    def state_dict(self, param_names=None) -> dict:
+        """The optimizer state, independent of world size, buckets and collective.
+
+        {"kind", "state": {key: {"master", "momentum_buffer"} for a matrix, {"master", "exp_avg",
+        "exp_avg_sq", "adamw_step" ([1])} for an aux tensor, all fp32}, "counters": {"skipped_steps",
+        "rejected_ns_updates"}}, keyed by param_names[p] (e.g. the model's FQN) or "p<index>" (the
+        matrices first). At W > 1 each tensor is a ShardedTensor whose one piece, the whole tensor,
+        is on its owner (the other ranks hold none): torch.distributed.checkpoint writes it once and
+        the owner at any world size reads it back. Nothing is copied: the tensors are views of the
+        live state, so a DCP load into this dict writes it in place.
+        """
+        from blunb.checkpoint import sharded_tensor, state_keys
+
+        params = self._muon_params + self._aux_params
+        matrices = {id(p) for p in self._muon_params}
+        state = {}
+        for p, key in zip(params, state_keys(params, param_names)):
+            owner = self._owner[p]
+            fields = ("master", "momentum_buffer") if id(p) in matrices else \
+                ("master", "exp_avg", "exp_avg_sq", "adamw_step")
+            entry = {}
+            for f in fields:
+                shape = (1,) if f == "adamw_step" else tuple(p.shape)
+                mine = self.state[p][f].view(shape) if owner == self.rank else None
+                entry[f] = mine if self.world == 1 else sharded_tensor(
+                    mine, shape, [(owner, (0,) * len(shape), shape)], device=self.device,
+                    process_group=self.process_group)
+            state[key] = entry
+        return {"kind": "ShardedMuon", "state": state,
+                "counters": {"skipped_steps": self._skipped, "rejected_ns_updates": self._rejected_total}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict, param_names=None) -> None:
+        """Restore what state_dict() gave, at any world size (the dict state_dict() gives here,
+        filled by a DCP load, or full tensors), then publish the loaded fp32 masters to every
+        rank's weights, so weights and masters agree. The state stays fp32 (torch's own load
+        would cast it to each parameter's dtype, rounding the master of a bf16 parameter)."""
+        from blunb.checkpoint import check_state_kind, local_piece, state_keys
+
+        check_state_kind(state_dict, "ShardedMuon")
+        params = self._muon_params + self._aux_params
+        keys = state_keys(params, param_names)
+        missing = [k for k in keys if k not in state_dict["state"]]
+        if missing:
+            raise ValueError(f"ShardedMuon.load_state_dict: no state for {len(missing)} parameter(s): "
+                             f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}")
+        self.drain_refresh()
+        for p, key in zip(params, keys):
+            if self._owner[p] != self.rank:
+                continue
+            entry = state_dict["state"][key]
+            for f, t in self.state[p].items():
+                if f not in entry:
+                    raise ValueError(f"ShardedMuon.load_state_dict: {key} has saved state {sorted(entry)}, "
+                                     f"no {f} (was it a Muon matrix in one run and an AdamW tensor in the other?)")
+                shape = tuple(t.shape) or (1,)
+                t.view(shape).copy_(local_piece(entry[f], (0,) * len(shape), shape, shape, f"{key}.{f}"))
+        counters = state_dict.get("counters", {})
+        for name, t in (("skipped_steps", self._skipped), ("rejected_ns_updates", self._rejected_total)):
+            if name in counters:
+                t.copy_(torch.as_tensor(counters[name]))
+        self._publish()
+        self.drain_refresh()
+
+    @torch.no_grad()
+    def resync_masters_from_params(self) -> None:
+        """Re-seed the owned fp32 masters from the model weights, after the weights were changed
+        outside the optimizer (e.g. a weights-only checkpoint load): otherwise the next step starts
+        from the stale master and silently reverts them. Momenta, moments and step counts are kept.
+        Drain any staged refresh BEFORE changing the weights (it would land on top of them)."""
+        if self._installed < len(self._pending_publish):
+            raise RuntimeError("a staged parameter refresh is still in flight: call drain_refresh() before "
+                               "changing the weights, then resync_masters_from_params()")
+        for p in self._owned_muon + self._owned_aux:
+            self.state[p]["master"].copy_(p.detach())

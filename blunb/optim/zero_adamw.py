@@ -470,6 +470,82 @@ class ShardedAdamW(torch.optim.Optimizer):
             total += (bits[a: a + step].long() * w).sum()
         return total
 
+    # ------------------------------------------------------------ checkpoints
+    def _owned_range(self, i: int, q: int) -> tuple[int, int, int]:
+        """(offset in parameter i's flat view, length, offset in rank q's shard) of the part of
+        parameter i that rank q owns: one contiguous run, as a parameter lies in one bucket."""
+        b = self._bucket_of[id(self._params[i])]
+        c = self._bucket_chunk[b]
+        lo = self._bucket_base[b] + q * c
+        p0 = self._param_off[i]
+        a, z = max(p0, lo), min(p0 + self._params[i].numel(), lo + c)
+        return a - p0, max(z - a, 0), sum(self._bucket_chunk[:b]) + a - lo
+
+    def state_dict(self, param_names=None) -> dict:
+        """The optimizer state, independent of world size, bucket size and collective.
+
+        {"kind", "state": {key: {"master", "exp_avg", "exp_avg_sq": flat [numel] fp32, "step"}},
+        "counters": {"skipped_steps"}}, keyed by param_names[p] (e.g. the model's FQN) or "p<index>".
+        At W > 1 each flat tensor is a ShardedTensor holding only this rank's slice at its offset
+        in the parameter (none where the rank owns nothing of it), so torch.distributed.checkpoint
+        writes every element once and loads it back re-cut for any layout. Nothing is copied: the
+        tensors are views of the live state, so a DCP load into this dict writes it in place.
+        """
+        from blunb.checkpoint import sharded_tensor, state_keys
+
+        state = {}
+        for i, (p, key) in enumerate(zip(self._params, state_keys(self._params, param_names))):
+            off, n, s = self._owned_range(i, self.rank)
+            pieces = [(q, (o,), (m,)) for q in range(self.world) for o, m, _ in [self._owned_range(i, q)] if m]
+            entry = {}
+            for field, buf in (("master", self._master), ("exp_avg", self._exp_avg),
+                               ("exp_avg_sq", self._exp_avg_sq)):
+                mine = buf[s: s + n]
+                entry[field] = mine if self.world == 1 else sharded_tensor(
+                    mine if n else None, (p.numel(),), pieces, device=self.device, process_group=self.group)
+            entry["step"] = self._step_views[i]   # the same on every rank: written once
+            state[key] = entry
+        return {"kind": "ShardedAdamW", "state": state, "counters": {"skipped_steps": self._skipped}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict, param_names=None) -> None:
+        """Restore what state_dict() gave, at any world size (the dict state_dict() gives here,
+        filled by a DCP load, or full tensors), then re-seed the model weights from the loaded fp32
+        masters: weights and masters agree, on every rank."""
+        from blunb.checkpoint import check_state_kind, local_piece, state_keys
+
+        check_state_kind(state_dict, "ShardedAdamW")
+        keys = state_keys(self._params, param_names)
+        missing = [k for k in keys if k not in state_dict["state"]]
+        if missing:
+            raise ValueError(f"ShardedAdamW.load_state_dict: no state for {len(missing)} parameter(s): "
+                             f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}")
+        self.drain_refresh()
+        for i, (p, key) in enumerate(zip(self._params, keys)):
+            entry = state_dict["state"][key]
+            off, n, s = self._owned_range(i, self.rank)
+            if n:
+                for field, buf in (("master", self._master), ("exp_avg", self._exp_avg),
+                                   ("exp_avg_sq", self._exp_avg_sq)):
+                    buf[s: s + n].copy_(local_piece(entry[field], (off,), (n,), (p.numel(),), f"{key}.{field}"))
+            self._step_views[i].copy_(torch.as_tensor(entry["step"]).reshape(()))
+        counters = state_dict.get("counters", {})
+        if "skipped_steps" in counters:
+            self._skipped.copy_(torch.as_tensor(counters["skipped_steps"]))
+        self._publish()
+        self.drain_refresh()
+
+    @torch.no_grad()
+    def resync_masters_from_params(self) -> None:
+        """Re-seed this rank's fp32 masters from the model weights, after the weights were changed
+        outside the optimizer (e.g. a weights-only checkpoint load): otherwise the next step starts
+        from the stale master and silently reverts them. Moments and step counts are kept. Drain
+        any staged refresh BEFORE changing the weights (it would land on top of them)."""
+        if self._installed < len(self._pending_publish):
+            raise RuntimeError("a staged parameter refresh is still in flight: call drain_refresh() before "
+                               "changing the weights, then resync_masters_from_params()")
+        torch._foreach_copy_(self._master_chunks, self._param_chunks)
+
 
 def _weak_hook(opt, method: str, *bound):
     """A hook calling opt.<method>(*bound, *hook_args) that does not keep opt alive: a strong
@@ -512,41 +588,21 @@ def refresh_stages(model: nn.Module) -> list[tuple[nn.Module, list]]:
     return stages
 
 
-def build_sharded_adamw(model: nn.Module, **kw) -> list[ShardedAdamW]:
-    """One ShardedAdamW per parameter dtype, ordered by size with the LARGEST LAST.
+def build_sharded_adamw(model: nn.Module, params: list | None = None, **kw) -> list[ShardedAdamW]:
+    """One ShardedAdamW per parameter dtype, ordered by size with the LARGEST LAST: the one
+    place the trainer, the benchmarks and the tests build their AdamW groups.
 
     That is the seed's step order: the biggest group's publish is issued last, so no other
     group's collective queues behind it (head-of-line blocking would eat the overlap).
-    With overlap_refresh=True the stages are derived from the model (refresh_stages).
+    `params`: the subset to cover (default every trainable parameter of `model`; the Muon
+    set passes what its matrices leave). With overlap_refresh=True the stages are derived
+    from the model (refresh_stages).
     """
     by_dtype: dict[torch.dtype, list] = {}
-    for p in model.parameters():
+    for p in (model.parameters() if params is None else params):
         if p.requires_grad:
             by_dtype.setdefault(p.dtype, []).append(p)
     if kw.get("overlap_refresh"):
         kw.setdefault("stages", refresh_stages(model))
     groups = sorted(by_dtype.values(), key=lambda ps: sum(p.numel() for p in ps))
     return [ShardedAdamW(ps, **kw) for ps in groups]
-
-
-def global_clip(optimizers, max_norm: float, strict: bool = False) -> ClipStats:
-    """Two-phase clip over disjoint optimizer groups with ONE coefficient.
-
-    Phase 1 reduces every group and sums the squared norms; phase 2 hands each group the
-    coefficient (its next step() uses it and does not reduce again). The coefficient comes
-    from the norm of the gradients it actually scales (`covered`: groups that withhold the
-    clip, like Muon's orthogonalized matrices, are left out) unless strict=True, which uses
-    the full norm. The reported total_norm is always the full norm. Any non-finite group
-    norm skips the step in every group. Sync-free: everything stays on the device.
-    """
-    sq_total = sq_covered = 0.0
-    for opt in optimizers:
-        t, c = opt.reduce_and_measure()
-        sq_total, sq_covered = t + sq_total, c + sq_covered
-    full = clip_stats_from_sq_norm(sq_total, max_norm)
-    coef = full.clip_coef if strict else clip_stats_from_sq_norm(torch.as_tensor(sq_covered), max_norm).clip_coef
-    coef = torch.where(full.found_inf, torch.ones_like(coef), coef)
-    for opt in optimizers:
-        opt.set_external_clip_coef(coef, full.found_inf)
-    return ClipStats(total_norm=full.total_norm, clip_coef=coef, clipped=(coef < 1) & ~full.found_inf,
-                     found_inf=full.found_inf)

@@ -4,7 +4,8 @@ ShardedMuon on rank-local gradients vs torch.optim.Muon + torch.optim.AdamW on t
 rank-averaged gradient (every rank derives every rank's gradient from seeds, so each
 holds the reference). Checks per case and step: Muon parity (bf16 NS tolerance), aux
 AdamW parity (fp32), replicas bit-identical, exactly one owner per tensor with state
-only there. Special cases: divergence guard, non-finite gradient skip.
+only there. Special cases: divergence guard, non-finite gradient skip, reduce_dtype (the
+owner's averaged gradient is, bit for bit, what a reduce in that dtype gives).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ CASES = [
          clip=0.5, poison_step=1),
     dict(name="bf16-rsag", shapes="many", collective="rs_ag", adjust_lr="match_rms_adamw", nesterov=True,
          clip=0.0, dtype=torch.bfloat16),
+    dict(name="rsag-bf16-reduce", shapes="many", collective="rs_ag", adjust_lr="match_rms_adamw", nesterov=True,
+         clip=0.5, buckets=2, reduce_dtype="bf16", explicit_reduce=True),
+    dict(name="rb-bf16-reduce", shapes="few", collective="reduce_bcast", adjust_lr="original", nesterov=True,
+         clip=0.0, reduce_dtype="bf16", explicit_reduce=True),
+    dict(name="bf16-rsag-fp32-reduce", shapes="many", collective="rs_ag", adjust_lr="match_rms_adamw",
+         nesterov=True, clip=0.0, dtype=torch.bfloat16, reduce_dtype="fp32", explicit_reduce=True),
 ]
 
 
@@ -65,8 +72,28 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def reduced_mean(grads, dtype):
+    """What a reduce in `dtype` gives: the sum in that dtype (rank order), then / W in it."""
+    total = grads[0].to(dtype)
+    for g in grads[1:]:
+        total = total + g.to(dtype)
+    return (total * (1.0 / len(grads))).float()
+
+
+def check_own_grads(opt, params, avg, reduce_dtype):
+    """The owner's averaged gradient: its dtype, and its value (bf16: exactly; fp32: to the
+    summation order)."""
+    for p, want in zip(params, avg):
+        if opt.owner_of(p) == opt.rank:
+            got = opt._own_grad[p]
+            assert got.dtype == {"bf16": torch.bfloat16, "fp32": torch.float32}[reduce_dtype], got.dtype
+            tol = 1e-6 if reduce_dtype == "fp32" else 0.0
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol / 10)
+
+
 def run_case(case, rank, W):
     dtype = case.get("dtype", torch.float32)
+    reduce_dtype = case.get("reduce_dtype")
     mshapes = SHAPES[case["shapes"]]
     seed = sum(map(ord, case["name"]))
     M, A = params(mshapes, seed, dtype), params(AUX_SHAPES, seed + 1, torch.float32)
@@ -76,7 +103,7 @@ def run_case(case, rank, W):
                       momentum=MU, nesterov=case["nesterov"], weight_decay=WD, adjust_lr=case["adjust_lr"],
                       collective=case["collective"], target_buckets=case.get("buckets", 6), adamw_lr=ADAMW_LR,
                       max_grad_norm=case["clip"], ns_coefficients=case.get("ns_coefficients", "muon"),
-                      verbose=False)
+                      reduce_dtype=reduce_dtype or "param", verbose=False)
     ref_muon = torch.optim.Muon(Mr, lr=LR, weight_decay=WD, momentum=MU, nesterov=case["nesterov"],
                                 adjust_lr_fn=case["adjust_lr"])
     ref_adamw = torch.optim.AdamW([{"params": [p for p in Ar if p.ndim >= 2], "weight_decay": WD},
@@ -95,6 +122,8 @@ def run_case(case, rank, W):
     M0 = [p.detach().float().clone() for p in Mr]
     for step in range(STEPS):
         per_rank = [rank_grads(mshapes + AUX_SHAPES, step, r, seed) for r in range(W)]
+        if reduce_dtype == "bf16" and W > 2:  # a sum of two is order-free; on this coarse grid any is exact
+            per_rank = [[(g * 8).round().clamp(-16, 16) / 8 for g in grads] for grads in per_rank]
         poisoned = step == case.get("poison_step")
         if poisoned:
             per_rank[W - 1][0][0, 0] = float("nan")
@@ -105,6 +134,11 @@ def run_case(case, rank, W):
         if dtype != torch.float32:  # the reference sees the gradients our ranks actually hold
             avg[:len(M)] = [torch.stack([per_rank[r][i].to(dtype).float() for r in range(W)]).mean(0)
                             for i in range(len(M))]
+        if reduce_dtype == "bf16":
+            avg = [reduced_mean([per_rank[r][i] for r in range(W)], torch.bfloat16) for i in range(len(mine))]
+        elif reduce_dtype == "fp32":  # of the gradients as the ranks hold them (bf16 for bf16 weights)
+            avg = [reduced_mean([per_rank[r][i].to(p.dtype) for r in range(W)], torch.float32)
+                   for i, p in enumerate(M + A)]
         sq_total = sum(float(g.double().square().sum()) for g in avg)
         sq_cov = sum(float(g.double().square().sum()) for g in avg[len(M):])
         before = [p.detach().clone() for p in M + A]
@@ -113,6 +147,8 @@ def run_case(case, rank, W):
             t, c = opt.reduce_and_measure()
             assert abs(float(t) - sq_total) <= 1e-4 * sq_total, (float(t), sq_total)
             assert abs(float(c) - sq_cov) <= 1e-4 * sq_cov, (float(c), sq_cov)
+            if reduce_dtype is not None:
+                check_own_grads(opt, M + A, avg, reduce_dtype)
         opt.step()
         opt.zero_grad()
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from blunb.config import apply_overrides, preset
 from blunb.model import BLU
-from blunb.optim.build import DDPAdamW, build_optimizers, check_replicas
+from blunb.optim.build import DDPAdamW, StepRecord, build_optimizers
 from blunb.optim.zero_adamw import ShardedAdamW
 from blunb.train import _poison_next_forward
 
@@ -63,6 +63,16 @@ def state_tensors(opt) -> list[torch.Tensor]:
     return [t.detach().clone() for t in found]
 
 
+def replicas_identical(model, world) -> bool:
+    """Every rank holds exactly the same parameters (all of them gathered: fine at this size)."""
+    if world == 1:
+        return True
+    mine = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(g, mine) for g in gathered)
+
+
 def run_case(name, overrides, rank, world, nan_policy="step"):
     cfg = tiny_config([*overrides, f"nan_policy={nan_policy}"], world)
     model = BLU(cfg.model, seed=cfg.seed)
@@ -80,21 +90,22 @@ def run_case(name, overrides, rank, world, nan_policy="step"):
                 _, loss = opt.forward_model(x, y)
                 (loss / ACCUM).backward()
         stats = opt.step()
+        rec = StepRecord.from_values(stats, stats.values().tolist())
         opt.drain()
         moved = [not torch.equal(a, p.detach()) for a, p in zip(params_before, model.parameters())]
         if step != POISON_STEP:
-            assert stats["skipped"] == 0, f"{name}: step {step} skipped"
+            assert not rec.skipped, f"{name}: step {step} skipped"
             assert all(moved), f"{name}: step {step} left {moved.count(False)} tensors still"
             continue
-        assert stats["skipped"] == 1, f"{name}: the poisoned step was not reported as skipped"
+        assert rec.skipped, f"{name}: the poisoned step was not reported as skipped"
         if nan_policy == "step":
             assert not any(moved), f"{name}: {sum(moved)} of {len(moved)} parameters changed on a skipped step"
             state_after = state_tensors(opt)
             assert len(state_after) == len(state_before) and all(
                 torch.equal(a, b) for a, b in zip(state_before, state_after)), f"{name}: optimizer state changed"
         else:   # the reference trainer's rule: the healthy group (the Muon body) still steps
-            assert stats["skipped_groups"] and 0 < sum(moved) < len(moved), (name, stats, sum(moved))
-    assert check_replicas(model, world), f"{name}: replicas differ"
+            assert rec.skipped_groups and 0 < sum(moved) < len(moved), (name, rec, sum(moved))
+    assert replicas_identical(model, world), f"{name}: replicas differ"
 
 
 def run_all(rank: int = 0, world: int = 1) -> None:

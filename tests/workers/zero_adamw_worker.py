@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw, global_clip
+from blunb.optim.clip import global_clip
+from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw
 
 LR, ACCUM, STEPS, VOCAB = 1e-2, 2, 3, 11
 TINY_BUCKETS = 400 / 2**20     # 400 B: five buckets, each padded unevenly to W
