@@ -493,6 +493,7 @@ def load(path, model: torch.nn.Module, opt_set, loaders: dict | None = None, *, 
     next step to run), "extra" (e.g. last_val_loss), "config", "world_size", ... Raises
     CheckpointError for an invalid checkpoint or one from another kind of optimizer.
     """
+    started = time.perf_counter()
     path = Path(path)
     loaders = loaders or {}
     meta = validate(path)
@@ -545,8 +546,8 @@ def load(path, model: torch.nn.Module, opt_set, loaders: dict | None = None, *, 
             log.info("rank %d: the checkpoint (world size %d) holds no RNG state for it; keeping its own",
                      rank, saved_world)
     if rank == 0:
-        log.info("resumed from %s at step %d (saved at world size %d, loaded at %d)", path, meta["step"],
-                 saved_world, world)
+        log.info("loaded %s in %.2f s: step %d (saved at world size %d, loaded at %d)", path,
+                 time.perf_counter() - started, meta["step"], saved_world, world)
     return meta
 
 

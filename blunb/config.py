@@ -171,9 +171,11 @@ class TrainConfig:
         if self.warmup_steps + self.stable_steps >= self.max_steps:
             raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
                               f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
-        choices = {"optimizer": ("adamw", "muon", "ddp_adamw"), "collective": ("rs_ag", "reduce_bcast"),
-                   "muon_collective": ("rs_ag", "reduce_bcast"),
-                   "reduce_dtype": ("param", "fp32", "bf16"), "muon_adjust_lr": ("match_rms_adamw", "original"),
+        from blunb.optim.muon import ADJUST_LR
+        from blunb.optim.zero_adamw import COLLECTIVES, REDUCE_DTYPES
+
+        choices = {"optimizer": ("adamw", "muon", "ddp_adamw"), "collective": COLLECTIVES,
+                   "muon_collective": COLLECTIVES, "reduce_dtype": tuple(REDUCE_DTYPES), "muon_adjust_lr": ADJUST_LR,
                    "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 MAGIC = 20240520
 VERSION = 1
@@ -329,7 +332,7 @@ def ensure_default_corpus(progress: bool = True) -> Path:
     files = stdlib_files()
     out = default_corpus_dir(files)
     if not (out / "meta.json").is_file():
-        print(f"preparing the default corpus ({len(files)} stdlib files) into {out}", file=sys.stderr)
+        log.info(f"preparing the default corpus ({len(files)} stdlib files) into {out}")
         prepare_corpus(files, out, progress=progress, source=f"python {sys.version.split()[0]} stdlib")
     return out
 
@@ -469,6 +472,7 @@ def _fail(message: str) -> None:
 
 
 def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines on stderr
     ap = argparse.ArgumentParser(prog="python -m blunb.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val .bin shards")

@@ -349,6 +349,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
         if saved is None:
             run.previous = _start_run_dir(run_dir)
         else:
+            run_dir.mkdir(parents=True, exist_ok=True)  # a checkpoint from elsewhere may start a new folder
             aside = [set_aside_rows_from(run_dir / name, run.start_step) for name in ("metrics.csv", "diag.csv")]
             env["resumed"] = {"from": str(resume_from), "step": run.start_step, "saved_world_size": saved["world_size"],
                               "rows_set_aside": [str(p) for p in aside if p is not None]}

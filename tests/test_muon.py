@@ -4,6 +4,7 @@ multi-process torchrun; every case of a world size in one launch), plus the piec
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import weakref
 
@@ -64,7 +65,7 @@ class _Toy(nn.Module):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_seed_split_and_coverage_report(tied, capsys):
+def test_seed_split_and_coverage_report(tied, caplog):
     model = _Toy(tied)
     muon_g, aux_g = muon_param_groups(model)
     body = {id(b[k].weight) for b in model.blocks for k in ("wq", "up")}
@@ -72,8 +73,9 @@ def test_seed_split_and_coverage_report(tied, capsys):
     aux_ids = {id(p) for p in aux_g["params"]}
     assert {id(model.wte.weight), id(model.lm_head.weight), id(model.norm_f.weight)} <= aux_ids
     assert len(aux_ids) == (4 if tied else 5)  # wte, (untied) head, norm_f, 2 block norms
-    opt = build_muon(model, lr=0.02, adamw_lr=3e-3, max_grad_norm=1.0)
-    out = capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="blunb.optim.muon"):
+        opt = build_muon(model, lr=0.02, adamw_lr=3e-3, max_grad_norm=1.0)
+    out = caplog.text
     assert "APPLIES TO" in out and f"{opt.clip_covered_numel()} / {opt.total_numel()}" in out
     assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[1]["lr"] == 3e-3
 

@@ -64,6 +64,7 @@ group's "lr" every step (or use any LR scheduler). `state[p]` exists only on p's
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -75,10 +76,11 @@ from torch import nn
 from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
 from blunb.optim.newton_schulz import NewtonSchulz
-from blunb.optim.zero_adamw import _REDUCE_DTYPES, _remove_hooks, _weak_hook, refresh_stages
+from blunb.optim.zero_adamw import COLLECTIVES, REDUCE_DTYPES, _remove_hooks, _weak_hook, refresh_stages
+
+log = logging.getLogger(__name__)
 
 GUARD_MAX_ABS = 1000.0
-COLLECTIVES = ("rs_ag", "reduce_bcast")
 ADJUST_LR = ("match_rms_adamw", "original")
 
 
@@ -189,8 +191,8 @@ class ShardedMuon(torch.optim.Optimizer):
             raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
         if target_buckets < 1:
             raise ValueError(f"target_buckets must be >= 1, got {target_buckets}")
-        if reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be one of {tuple(_REDUCE_DTYPES)}, got {reduce_dtype!r}")
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {reduce_dtype!r}")
         if overlap_refresh and stages is None:
             raise ValueError("overlap_refresh=True needs stages= (the model, or a list of (module, params) "
                              "in forward order) so forward pre-hooks can install each stage")
@@ -218,7 +220,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self.overlap_refresh = overlap_refresh
 
         self._muon_params, self._aux_params = muon, aux
-        self._red_dtype = {p: _REDUCE_DTYPES[reduce_dtype] or p.dtype for p in muon + aux}
+        self._red_dtype = {p: REDUCE_DTYPES[reduce_dtype] or p.dtype for p in muon + aux}
         self._owner: dict[torch.Tensor, int] = {}
         for p, r in zip(muon, lpt_partition([ns_cost(p.shape, ns_steps) for p in muon], self.world)):
             self._owner[p] = r
@@ -267,7 +269,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._clip_stats: ClipStats | None = None
         self._zero1 = torch.zeros(1, dtype=torch.float32, device=self.device)
         if verbose and self.rank == 0:
-            print(self.describe(), flush=True)
+            log.info(self.describe())
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -323,7 +325,7 @@ class ShardedMuon(torch.optim.Optimizer):
                 chunk = max(sum(p.numel() for p in runs[r][k]) for r in range(self.world))
                 if chunk == 0:
                     continue
-                red = _REDUCE_DTYPES[self.reduce_dtype] or dtype
+                red = REDUCE_DTYPES[self.reduce_dtype] or dtype
                 flat = torch.zeros(self.world * chunk, dtype=dtype, device=self.device)
                 own = torch.zeros(chunk, dtype=dtype, device=self.device)
                 # Reduce and publish share the buffers when the dtypes agree: the publish

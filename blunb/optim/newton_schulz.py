@@ -21,11 +21,13 @@ Replay runs the same kernels on the same data as eager: results are bitwise iden
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 POLAR_EXPRESS_COEFFICIENTS = (
@@ -142,8 +144,8 @@ class NewtonSchulz:
         except Exception as exc:  # e.g. an op that is not capturable in this build
             slot.eager_only = True
             torch.cuda.synchronize()
-            print(f"[newton_schulz] *** CUDA-graph capture FAILED for shape {tuple(slot.stage.shape)}: "
-                  f"{type(exc).__name__}: {exc}; this shape runs eagerly from now on ***", file=sys.stderr)
+            log.warning(f"[newton_schulz] CUDA-graph capture FAILED for shape {tuple(slot.stage.shape)}: "
+                        f"{type(exc).__name__}: {exc}; this shape runs eagerly from now on")
             return
         slot.graph, slot.out = graph, out
 

@@ -40,6 +40,7 @@ Hooks hold the optimizer weakly: dropping it frees it (and its buffers) at once,
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -49,8 +50,11 @@ import torch.nn as nn
 from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
 
-_COLLECTIVES = ("rs_ag", "reduce_bcast")
-_REDUCE_DTYPES = {"param": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+log = logging.getLogger(__name__)
+
+# The allowed values, declared once: TrainConfig.validate and ShardedMuon read them from here.
+COLLECTIVES = ("rs_ag", "reduce_bcast")
+REDUCE_DTYPES = {"param": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _mib(n_bytes: int) -> str:
@@ -71,10 +75,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                  exclude_1d_from_weight_decay=True, max_grad_norm=0.0, process_group=None,
                  collective="rs_ag", reduce_dtype="param", overlap_backward=False,
                  overlap_refresh=False, bucket_mb=50, stages=None):
-        if collective not in _COLLECTIVES:
-            raise ValueError(f"collective must be one of {_COLLECTIVES}, got {collective!r}")
-        if reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be one of {tuple(_REDUCE_DTYPES)}, got {reduce_dtype!r}")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(REDUCE_DTYPES)}, got {reduce_dtype!r}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
@@ -109,7 +113,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.overlap_backward = overlap_backward and self.world > 1
         self.overlap_refresh = overlap_refresh
         self.exclude_1d = exclude_1d_from_weight_decay
-        self.red_dtype = _REDUCE_DTYPES[reduce_dtype] or self.dtype
+        self.red_dtype = REDUCE_DTYPES[reduce_dtype] or self.dtype
         self._params = plist
 
         self._build_layout(bucket_mb)
@@ -210,9 +214,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                             else torch.empty(max(self._bucket_chunk), dtype=torch.float32, device=dev))
         extra = self._extra_bytes(self.red_dtype) - self._extra_bytes(self.dtype)
         if self.red_dtype != self.dtype and self.rank == 0:
-            print(f"[ShardedAdamW] reduce_dtype={reduce_dtype} on the {self.dtype} group "
-                  f"({self.numel:,} params) costs {'+' if extra >= 0 else ''}{_mib(extra)} per rank "
-                  f"vs reducing in the parameter dtype")
+            log.info(f"[ShardedAdamW] reduce_dtype={reduce_dtype} on the {self.dtype} group "
+                     f"({self.numel:,} params) costs {'+' if extra >= 0 else ''}{_mib(extra)} per rank "
+                     f"vs reducing in the parameter dtype")
 
     def _extra_bytes(self, red_dtype) -> int:
         """Staging bytes beyond the 12 B/elem state for a given reduce dtype."""
