@@ -250,11 +250,13 @@ def _flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
 
 def _dcp_save(tree: dict, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     flat = {".".join(p): v for p, v in _flatten(tree).items()}
+    # Several writer threads per rank: one thread wrote a 1b checkpoint at ~0.3 GB/s on an H200 host.
+    writer = FileSystemWriter(str(path), thread_count=min(8, os.cpu_count() or 1))
     with _quiet_dcp():
-        dcp.save(flat, checkpoint_id=str(path), planner=DefaultSavePlanner(flatten_state_dict=False))
+        dcp.save(flat, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False))
 
 
 def _dcp_load(tree: dict, path: Path) -> None:

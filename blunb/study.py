@@ -1,0 +1,663 @@
+"""Studies: a grid of real training runs (arms x seeds), run in parallel, cached, summarized.
+
+A study notebook describes its grid and runs it; every run is a `blunb.train` launch of its own
+(torchrun when nproc > 1) into `<root>/<study>/<arm>-s<seed>/`, with `seed=<seed>` added to the
+arm's overrides:
+
+    from blunb.study import Study, matched_step_difference, mean_ci
+
+    study = Study("warmup", arms={"base": [], "long": ["warmup_steps=20"]}, seeds=[0, 1, 2],
+                  preset="tiny", steps=60)            # root=results_root() / "scratch" for scratch runs
+    summary = study.run()        # pandas, one row per run; also <study>/summary.csv
+    long = study.metrics_long()  # <study>/metrics_long.csv: arm, seed, step, metric, value
+    for arm, runs in summary.groupby("arm"):
+        print(arm, mean_ci(runs["final_val_loss"]))
+    d = matched_step_difference(long, "long", "base")   # val_loss by default
+    print(d.mean_diff, d.noise_floor, d.exceeds_noise)
+
+`run_study(name, arms, seeds, ...)` is the same as `Study(...).run()`.
+
+Order of work: every run's arguments are checked (blunb.launch.check_train_args at the study's
+nproc) before anything starts, so a typo in the last arm costs nothing. Then the runs go out in
+parallel subprocesses: on the CPU max(1, cores // nproc) at a time, on CUDA one per group of
+nproc visible GPUs (CUDA_VISIBLE_DEVICES set per run; `runs_per_gpu` > 1 shares a group), or
+`max_parallel`. A tqdm bar over runs (log lines without tqdm) shows each running run's latest step.
+Each launch's combined output goes to `<run>/console.txt`.
+
+Caching: a run whose folder says completed, with the config.json this run would get (built by
+blunb.train.parse_args from the same arguments) and the same world size, is skipped. A folder
+with the same config but unfinished (running, failed, killed) is re-run with `--resume auto`
+(its newest checkpoint, or a fresh start); a different config or world size with `--overwrite`.
+The table's `action` column says which: cached | new | resume | overwrite. Do not run one study
+from two processes at once: a run another process is training looks unfinished here.
+
+Failures: a failed run is logged with its root cause (blunb.launch's parsing of its output, else
+its status.json error) while the others go on. summary.csv and metrics_long.csv are written
+either way; then StudyError (its `.summary` holds the table) lists the failures, unless
+`allow_failures=True` (e.g. a learning-rate sweep where divergence is a result), which warns.
+
+CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` executes a study notebook
+headless through papermill (values are Python literals, else strings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import pandas as pd
+
+from blunb.config import ConfigError
+from blunb.launch import check_train_args, parse_failure, torchrun_command
+from blunb.runs import load_run, read_status, repo_root, results_root, summarize
+
+log = logging.getLogger("blunb.study")  # not __name__: it is "__main__" under python -m
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")  # one folder name, no path tricks
+_POLL_S = 0.5
+_LOG_EVERY_S = 30.0
+SUMMARY_COLUMNS = ["arm", "seed", "run", "status", "action", "error", "steps_done", "steps_total",
+                   "final_val_loss", "best_val_loss", "final_train_loss", "steady_tok_per_sec", "steady_mfu",
+                   "peak_mem_gib", "device", "world_size", "run_dir"]
+LONG_COLUMNS = ["arm", "seed", "step", "metric", "value"]
+
+
+class StudyError(RuntimeError):
+    """Some runs of a study failed. `summary`: the study's table (the failed runs included);
+    `failures`: (run name, root cause) pairs."""
+
+    def __init__(self, message: str, summary: pd.DataFrame | None = None,
+                 failures: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.summary, self.failures = summary, failures or []
+
+
+@dataclass
+class _Planned:
+    """One run of the grid: where it goes, its arguments, and what this call does with it."""
+
+    arm: str
+    seed: int
+    name: str
+    run_dir: Path
+    args: list[str]       # blunb.train's arguments, without --resume / --overwrite
+    config: dict          # the config.json this run gets
+    action: str = "new"   # cached | new | resume | overwrite
+
+
+@dataclass
+class _Active:
+    plan: _Planned
+    proc: subprocess.Popen
+    console: object       # the open console.txt
+    slot: str | None      # CUDA_VISIBLE_DEVICES of this run (None on the CPU)
+    started: float        # time.time() at launch: newer files in the folder are this launch's
+
+
+@dataclass
+class _Outcome:
+    status: str                 # completed | failed | killed
+    error: str | None = None
+    current: bool = True        # the folder holds this run (False: it failed before touching it)
+
+
+@dataclass
+class Study:
+    """A grid of `arms` (name -> list of "key=value" overrides) x `seeds` on one preset.
+
+    steps: --max-steps (None: the preset's schedule). nproc: ranks per run. common: overrides every
+    arm gets before its own. root: the folder studies go in (default results_root()); the study's
+    own folder is root/name. max_parallel: runs at a time (default: see the module docstring).
+    runs_per_gpu: runs sharing one group of nproc GPUs (ignored on the CPU). env: extra environment
+    for every run. allow_failures: warn instead of raising StudyError. progress: the tqdm bar / log lines.
+    """
+
+    name: str
+    arms: dict[str, Sequence[str]]
+    seeds: Sequence[int]
+    preset: str = "tiny"
+    steps: int | None = None
+    nproc: int = 1
+    common: Sequence[str] = ()
+    root: str | Path | None = None
+    max_parallel: int | None = None
+    runs_per_gpu: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    allow_failures: bool = False
+    progress: bool = True
+
+    @property
+    def folder(self) -> Path:
+        return (Path(self.root) if self.root is not None else results_root()).absolute() / self.name
+
+    def metrics_long(self) -> pd.DataFrame:
+        """The study's metrics_long.csv (written by run())."""
+        path = self.folder / "metrics_long.csv"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist yet: run the study first (Study.run())")
+        return pd.read_csv(path)
+
+    def run(self) -> pd.DataFrame:
+        """Check every run, launch the ones not cached, write summary.csv and metrics_long.csv and
+        return the summary table; raise StudyError for failed runs unless allow_failures."""
+        plans = self._plan()
+        cached = [p.name for p in plans if p.action == "cached"]
+        if cached:
+            log.info(f"{self.name}: {len(cached)} run(s) already completed with this config, skipped: "
+                     f"{', '.join(cached)}")
+        todo = [p for p in plans if p.action != "cached"]
+        outcomes = {p.name: _Outcome("completed") for p in plans if p.action == "cached"}
+        if any(p.config["data"] == "default" for p in todo):
+            from blunb.data import ensure_default_corpus
+
+            ensure_default_corpus(progress=False)  # once, here: parallel first uses would race to create it
+        outcomes.update(self._launch_all(todo, len(plans)))
+
+        summary = pd.DataFrame([_summary_row(p, outcomes[p.name]) for p in plans], columns=SUMMARY_COLUMNS)
+        parts = [t for t in (_long_rows(p) for p in plans if outcomes[p.name].current) if len(t)]
+        long = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=LONG_COLUMNS)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write_csv(summary, self.folder / "summary.csv")
+        _write_csv(long, self.folder / "metrics_long.csv")
+
+        failures = [(p.name, outcomes[p.name].error or outcomes[p.name].status) for p in plans
+                    if outcomes[p.name].status != "completed"]
+        if failures:
+            msg = (f"{len(failures)} of {len(plans)} run(s) of study {self.name!r} did not complete:\n"
+                   + "\n".join(f"  {name}: {why}" for name, why in failures)
+                   + f"\n(each run's output: {self.folder}/<run>/console.txt)")
+            if not self.allow_failures:
+                raise StudyError(msg, summary, failures)
+            warnings.warn(msg, stacklevel=2)
+        return summary
+
+    # ------------------------------------------------------------ planning
+
+    def _plan(self) -> list[_Planned]:
+        """Every run of the grid, checked, with what to do with it; raises before anything runs."""
+        from blunb.train import parse_args  # lazy: pulls in torch
+
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"study name must be one folder name (letters, digits, . _ + = -), got {self.name!r}")
+        if not isinstance(self.arms, dict) or not self.arms:
+            raise ValueError(f"study {self.name!r}: arms must be a non-empty dict of name -> list of "
+                             f"'key=value' overrides, got {self.arms!r}")
+        seeds = self._checked_seeds()
+        for what, value in (("nproc", self.nproc), ("runs_per_gpu", self.runs_per_gpu)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+        if self.max_parallel is not None and (isinstance(self.max_parallel, bool)
+                                              or not isinstance(self.max_parallel, int) or self.max_parallel < 1):
+            raise ValueError(f"max_parallel must be an integer >= 1 or None, got {self.max_parallel!r}")
+        common = _checked_overrides("common", self.common)
+        env = {**os.environ, **self.env}
+        plans = []
+        for arm, overrides in self.arms.items():
+            if not isinstance(arm, str) or not _NAME.match(arm):
+                raise ValueError(f"arm name must be one folder name (letters, digits, . _ + = -), got {arm!r}")
+            overrides = common + _checked_overrides(f"arm {arm!r}", overrides)
+            for seed in seeds:
+                name = f"{arm}-s{seed}"
+                run_dir = self.folder / name
+                args = ["--preset", self.preset, "--run-dir", str(run_dir)]
+                if self.steps is not None:
+                    args += ["--max-steps", str(self.steps)]
+                for item in [*overrides, f"seed={seed}"]:
+                    args += ["--set", item]
+                try:
+                    check_train_args(args, self.nproc, env)
+                except ConfigError as err:
+                    raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
+                cfg, _ = parse_args(args)
+                plan = _Planned(arm, seed, name, run_dir, args, json.loads(cfg.to_json()))
+                plan.action = _cache_action(plan, self.nproc)
+                plans.append(plan)
+        return plans
+
+    def _checked_seeds(self) -> list[int]:
+        try:
+            seeds = [] if isinstance(self.seeds, (str, bytes)) else list(self.seeds)
+        except TypeError:  # a bare number
+            seeds = []
+        if not seeds:
+            raise ValueError(f"study {self.name!r}: seeds must be a non-empty list of integers, got {self.seeds!r}")
+        for s in seeds:
+            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < 2**32:
+                raise ValueError(f"study {self.name!r}: every seed must be an integer in [0, 2**32), got {s!r}")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"study {self.name!r}: seeds repeat: {seeds}")
+        return [int(s) for s in seeds]
+
+    # ------------------------------------------------------------ running
+
+    def _launch_all(self, todo: list[_Planned], total: int) -> dict[str, _Outcome]:
+        """Run `todo` in parallel, as many at a time as there are slots; every run's outcome."""
+        if not todo:
+            return {}
+        env = {**os.environ, **self.env}
+        slots = _slots(_visible_gpus(env), self.nproc, self.runs_per_gpu, self.max_parallel, _cores())
+        at_once = min(len(slots), len(todo))
+        # The CPU's cores shared among the runs at once (launch's own default assumes one run).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // (at_once * self.nproc))))
+        log.info(f"{self.name}: {len(todo)} run(s) to train, {at_once} at a time, in {self.folder}")
+        pending, active, outcomes = list(todo), [], {}
+        progress = _Progress(self.name, total, total - len(todo), self.progress)
+        try:
+            while pending or active:
+                while pending and slots:
+                    active.append(self._start(pending.pop(0), slots.pop(0), env))
+                for a in [a for a in active if a.proc.poll() is not None]:
+                    active.remove(a)
+                    slots.append(a.slot)
+                    a.console.close()
+                    outcomes[a.plan.name] = out = _outcome(a)
+                    if out.status == "completed":
+                        log.info(f"{self.name}: {a.plan.name} completed")
+                    else:
+                        log.warning(f"{self.name}: {a.plan.name} {out.status}: {out.error}")
+                    progress.finished()
+                progress.show(active)
+                if active:
+                    time.sleep(_POLL_S)
+        except BaseException:
+            _stop(active)  # an interrupt or error here: no rank is left running
+            raise
+        finally:
+            progress.close()
+        return outcomes
+
+    def _start(self, plan: _Planned, slot: str | None, env: dict) -> _Active:
+        extra = ["--resume", "auto"] if plan.action == "resume" else ["--overwrite"]  # new: any leftovers go
+        target = ["-m", "blunb.train", *plan.args, *extra]
+        cmd = torchrun_command(target, self.nproc) if self.nproc > 1 else [sys.executable, *target]
+        run_env = {**env, "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")}
+        if slot is not None:
+            run_env["CUDA_VISIBLE_DEVICES"] = slot
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        console = open(plan.run_dir / "console.txt", "w")
+        try:
+            # Its own process group, so one signal reaches torchrun and every rank.
+            proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=run_env,
+                                    start_new_session=True)
+        except BaseException:
+            console.close()
+            raise
+        log.info(f"{self.name}: started {plan.name} ({plan.action}" + (f", GPUs {slot}" if slot else "") + ")")
+        return _Active(plan, proc, console, slot, started)
+
+
+def run_study(name: str, arms: dict[str, Sequence[str]], seeds: Sequence[int], **kwargs) -> pd.DataFrame:
+    """Study(name, arms, seeds, **kwargs).run()."""
+    return Study(name, arms, seeds, **kwargs).run()
+
+
+def _checked_overrides(what: str, overrides) -> list[str]:
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Sequence):
+        raise ValueError(f"{what}: overrides must be a list of 'key=value' strings, got {overrides!r}")
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ValueError(f"{what}: override {item!r} is not a 'key=value' string")
+        if item.split("=", 1)[0].strip() == "seed":
+            raise ValueError(f"{what}: {item!r}: the seed comes from the study's seeds, not from overrides")
+    return list(overrides)
+
+
+def _cache_action(plan: _Planned, nproc: int) -> str:
+    """cached | new | resume | overwrite, from what the run folder already holds."""
+    try:
+        stored = json.loads((plan.run_dir / "config.json").read_text())
+        world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
+    except (OSError, ValueError):
+        return "new"  # nothing usable there (passed --overwrite anyway, for any leftovers)
+    if stored != plan.config or world_size != nproc:
+        return "overwrite"
+    status = read_status(plan.run_dir) or {}
+    return "cached" if status.get("state") == "completed" else "resume"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _visible_gpus(env: dict) -> list[str]:
+    """The GPU ids runs can be given (CUDA_VISIBLE_DEVICES entries, else 0..n-1); [] without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    n = torch.cuda.device_count()
+    listed = [s.strip() for s in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if s.strip()]
+    return listed[:n] if listed else [str(i) for i in range(n)]
+
+
+def _slots(gpus: list[str], nproc: int, runs_per_gpu: int, max_parallel: int | None, cores: int) -> list[str | None]:
+    """One entry per run that may go at once: its CUDA_VISIBLE_DEVICES, or None on the CPU.
+    GPUs are cut into groups of nproc, each shared by runs_per_gpu runs; groups alternate, so
+    runs spread over the GPUs before they share one."""
+    if not gpus:
+        return [None] * (max_parallel or max(1, cores // nproc))
+    if len(gpus) < nproc:
+        raise ValueError(f"nproc={nproc} needs {nproc} GPUs per run, but {len(gpus)} are visible ({','.join(gpus)})")
+    groups = [",".join(gpus[i:i + nproc]) for i in range(0, len(gpus) - nproc + 1, nproc)]
+    slots = groups * runs_per_gpu
+    return slots[:max_parallel] if max_parallel else slots
+
+
+def _latest_step(run_dir: Path, since: float) -> int | None:
+    """The last step in metrics.csv, when this launch has written one (a tail read, no parse)."""
+    path = run_dir / "metrics.csv"
+    try:
+        if path.stat().st_mtime < since:
+            return None  # still the previous run's file, until the trainer sets it aside
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        first = line.split(",", 1)[0]
+        if first.isdigit():
+            return int(first)
+    return None
+
+
+def _outcome(a: _Active) -> _Outcome:
+    """How a finished launch ended, with its root cause when it did not complete."""
+    rc = a.proc.returncode
+    try:
+        fresh = (a.plan.run_dir / "status.json").stat().st_mtime >= a.started - 1  # written by this launch
+        status = read_status(a.plan.run_dir) if fresh else None
+    except (OSError, ValueError):
+        status = None
+    state = (status or {}).get("state")
+    if rc == 0 and state == "completed":
+        return _Outcome("completed")
+    lines = (a.plan.run_dir / "console.txt").read_text(errors="replace").splitlines()
+    f = parse_failure(lines)
+    cause = f.error_line or (status or {}).get("error") or (lines[-1].strip() if lines else "no output")
+    code = f.exit_code if f.exit_code is not None else rc
+    where = (f"rank {f.rank}, " if f.rank is not None else "") + f"exit code {code}" + (
+        f", {f.signal}" if f.signal else "")
+    if rc == 0:  # exited cleanly without saying completed: report it rather than trust it
+        cause = f"the trainer exited 0 but status.json says {state or 'nothing'}"
+    return _Outcome("killed" if state == "killed" else "failed", f"{cause} ({where})", current=status is not None)
+
+
+def _stop(active: list[_Active], grace_s: float = 10.0) -> None:
+    """SIGTERM every run's process group at once (the trainer records 'killed'), SIGKILL what is left."""
+    for a in active:
+        try:
+            os.killpg(a.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for a in active:
+        try:
+            a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(a.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            a.proc.wait()
+        a.console.close()
+
+
+class _Progress:
+    """A tqdm bar over runs (when tqdm is installed) naming each running run's latest step, else the
+    same as a log line every _LOG_EVERY_S seconds; nothing with enabled=False."""
+
+    def __init__(self, study: str, total: int, done: int, enabled: bool):
+        self.study, self.total, self.done, self.enabled = study, total, done, enabled
+        self.bar, self.last_log = None, 0.0
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return
+            # mininterval: a papermill-run notebook stores every redraw
+            self.bar = tqdm(total=total, initial=done, desc=study, unit="run", mininterval=5.0)
+
+    def show(self, active: list[_Active]) -> None:
+        if not self.enabled:
+            return
+        parts = []
+        for a in active:
+            step = _latest_step(a.plan.run_dir, a.started)
+            parts.append(f"{a.plan.name} " + ("starting" if step is None else
+                                              f"{step + 1}/{a.plan.config['max_steps']}"))
+        text = ", ".join(parts)
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(0)  # redraws at most every mininterval
+        elif time.monotonic() - self.last_log >= _LOG_EVERY_S:
+            self.last_log = time.monotonic()
+            log.info(f"{self.study}: {self.done}/{self.total} runs done" + (f"; running {text}" if text else ""))
+
+    def finished(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            self.last_log = 0.0  # say so at the next show()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------- results
+
+def _summary_row(plan: _Planned, out: _Outcome) -> dict:
+    """One summary.csv row; the metrics only where the folder holds this run."""
+    nan = float("nan")
+    row = {"arm": plan.arm, "seed": plan.seed, "run": plan.name, "status": out.status, "action": plan.action,
+           "error": out.error, "steps_done": 0, "steps_total": plan.config["max_steps"], "final_val_loss": nan,
+           "best_val_loss": nan, "final_train_loss": nan, "steady_tok_per_sec": nan, "steady_mfu": nan,
+           "peak_mem_gib": nan, "device": None, "world_size": None, "run_dir": str(plan.run_dir)}
+    if not out.current:
+        return row
+    try:
+        run = load_run(plan.run_dir)
+    except FileNotFoundError:  # it died before writing its records
+        return row
+    s = summarize([run]).iloc[0]
+    m = run.metrics
+    peak = m["peak_mem_gib"].max() if "peak_mem_gib" in m else nan
+    row.update({k: s[k] for k in ("final_val_loss", "final_train_loss", "steady_tok_per_sec", "steady_mfu",
+                                  "device", "world_size", "steps_done")},
+               best_val_loss=float(m["val_loss"].min()), peak_mem_gib=float(peak))
+    return row
+
+
+def _long_rows(plan: _Planned) -> pd.DataFrame:
+    """The run's metrics.csv as arm, seed, step, metric, value rows (numeric columns, NaNs dropped)."""
+    try:
+        m = pd.read_csv(plan.run_dir / "metrics.csv")
+    except FileNotFoundError:
+        return pd.DataFrame(columns=LONG_COLUMNS)
+    numeric = [c for c in m.columns if c != "step" and pd.api.types.is_numeric_dtype(m[c])]
+    long = m.melt(id_vars="step", value_vars=numeric, var_name="metric").dropna(subset=["value"])
+    long.insert(0, "seed", plan.seed)
+    long.insert(0, "arm", plan.arm)
+    return long[LONG_COLUMNS]
+
+
+def _write_csv(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")  # a reader never sees half a table
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- statistics
+
+class MeanCI(NamedTuple):
+    """The mean of n values with a two-sided t-based confidence interval [low, high]."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+
+def _t_quantile(confidence: float, df: int) -> float:
+    """t such that P(|T| < t) = confidence for Student's t with integer df: bisection on the
+    closed-form cdf (Abramowitz & Stegun 26.7.3-4), so no scipy is needed."""
+    def inside(t: float) -> float:
+        theta = math.atan(t / math.sqrt(df))
+        c2, s = math.cos(theta) ** 2, math.sin(theta)
+        if df % 2 == 0:
+            term = total = 1.0
+            for k in range(1, df // 2):
+                term *= (2 * k - 1) / (2 * k) * c2
+                total += term
+            return s * total
+        term = total = math.cos(theta)
+        for k in range(1, (df - 1) // 2):
+            term *= (2 * k) / (2 * k + 1) * c2
+            total += term
+        return 2 / math.pi * (theta + (s * total if df > 1 else 0.0))
+
+    lo, hi = 0.0, 1.0
+    while inside(hi) < confidence:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if inside(mid) < confidence else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def mean_ci(values, confidence: float = 0.95) -> MeanCI:
+    """Mean and t-based CI across seeds. NaNs (failed runs) are dropped and n counts the rest;
+    with one value the interval is NaN (a spread from one seed is unknown, not zero)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    raw = list(values)
+    if not raw:
+        raise ValueError("mean_ci of no values")
+    xs = [float(v) for v in raw if not math.isnan(float(v))]
+    n, nan = len(xs), float("nan")
+    if n == 0:
+        return MeanCI(nan, nan, nan, 0)
+    mean = statistics.fmean(xs)
+    if n == 1:
+        return MeanCI(mean, nan, nan, 1)
+    half = _t_quantile(confidence, n - 1) * statistics.stdev(xs) / math.sqrt(n)
+    return MeanCI(mean, mean - half, mean + half, n)
+
+
+@dataclass
+class MatchedDifference:
+    """arm_a minus arm_b on `metric`, step by step over the steps both arms have.
+
+    per_step: step, mean_a, mean_b, diff (mean_a - mean_b), sd_a, sd_b (across seeds), n_a, n_b
+    (seeds with a value), noise (sqrt((sd_a^2 + sd_b^2) / 2), the seed-to-seed spread).
+    mean_diff: the mean of diff; noise_floor: the mean of noise over the steps where it is known
+    (NaN with one seed per arm).
+    exceeds_noise: |mean_diff| > noise_floor, i.e. the arms differ by more than seeds do.
+    """
+
+    arm_a: str
+    arm_b: str
+    metric: str
+    per_step: pd.DataFrame
+    mean_diff: float
+    noise_floor: float
+
+    @property
+    def exceeds_noise(self) -> bool:
+        return bool(abs(self.mean_diff) > self.noise_floor)  # False when the floor is NaN: unknown
+
+
+def matched_step_difference(metrics_long: pd.DataFrame, arm_a: str, arm_b: str,
+                            metric: str = "val_loss") -> MatchedDifference:
+    """Compare two arms of metrics_long (arm, seed, step, metric, value) at the steps both have."""
+    missing = set(LONG_COLUMNS) - set(metrics_long.columns)
+    if missing:
+        raise ValueError(f"metrics_long needs columns {LONG_COLUMNS}; missing {sorted(missing)}")
+    arms = sorted(metrics_long["arm"].unique())
+    for arm in (arm_a, arm_b):
+        if arm not in arms:
+            raise ValueError(f"unknown arm {arm!r}; the table has {arms}")
+    rows = metrics_long[(metrics_long["metric"] == metric) & metrics_long["value"].notna()]
+    if rows.empty:
+        raise ValueError(f"no values of metric {metric!r}; the table has {sorted(metrics_long['metric'].unique())}")
+    if rows.duplicated(["arm", "seed", "step"]).any():
+        raise ValueError(f"metrics_long has more than one {metric!r} value for some (arm, seed, step)")
+
+    def per_arm(arm: str) -> pd.DataFrame:
+        return rows[rows["arm"] == arm].groupby("step")["value"].agg(["mean", "std", "count"])
+
+    both = per_arm(arm_a).merge(per_arm(arm_b), left_index=True, right_index=True, suffixes=("_a", "_b"))
+    if both.empty:
+        raise ValueError(f"arms {arm_a!r} and {arm_b!r} have no step with {metric!r} in common")
+    per_step = pd.DataFrame({"step": both.index, "mean_a": both["mean_a"].values, "mean_b": both["mean_b"].values,
+                             "diff": (both["mean_a"] - both["mean_b"]).values, "sd_a": both["std_a"].values,
+                             "sd_b": both["std_b"].values, "n_a": both["count_a"].values,
+                             "n_b": both["count_b"].values})
+    per_step["noise"] = ((per_step["sd_a"] ** 2 + per_step["sd_b"] ** 2) / 2) ** 0.5
+    return MatchedDifference(arm_a, arm_b, metric, per_step, float(per_step["diff"].mean()),
+                             float(per_step["noise"].mean()))
+
+
+# ---------------------------------------------------------------- CLI
+
+def _literal(raw: str):
+    """A -p value: a Python literal (60, True, ['a=1']) where it parses as one, else the string."""
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m blunb.study",
+                                 description="Run a study notebook headless (papermill), parameters injected.")
+    ap.add_argument("notebook", type=Path)
+    ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                    help="a parameter of the notebook's `parameters` cell (repeatable)")
+    ap.add_argument("-o", "--output", type=Path,
+                    help="the executed notebook (default: <results>/scratch/<notebook name>)")
+    ap.add_argument("-k", "--kernel", default="python3", help="Jupyter kernel (default: python3)")
+    args = ap.parse_args(argv)
+    if not args.notebook.is_file():
+        ap.error(f"no notebook at {args.notebook}")
+    try:
+        import papermill
+    except ImportError:
+        ap.error("papermill is not installed: pip install -e .[notebook]")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    output = args.output or results_root() / "scratch" / args.notebook.name
+    output.parent.mkdir(parents=True, exist_ok=True)
+    params = {key: _literal(value) for key, value in args.parameter}
+    log.info(f"running {args.notebook} -> {output} with {params}")
+    # The notebook's own folder as cwd: its relative paths mean what they mean in Jupyter.
+    papermill.execute_notebook(str(args.notebook), str(output), parameters=params, kernel_name=args.kernel,
+                               cwd=str(args.notebook.resolve().parent), log_output=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""blunb.study: grid checks before any launch, parallel runs, caching, failure reports, statistics, the CLI."""
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import nbformat
+import pandas as pd
+import pytest
+
+import blunb.study
+from blunb.config import ConfigError
+from blunb.runs import write_status
+from blunb.study import (
+    LONG_COLUMNS,
+    SUMMARY_COLUMNS,
+    Study,
+    StudyError,
+    _slots,
+    matched_step_difference,
+    mean_ci,
+    run_study,
+)
+from tests.distributed import REPO
+
+SKIPS = ["max_lr=1e30", "grad_clip=0", "max_consecutive_skips=1"]  # fails at step 1, every time
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any attempt to start a process fails the test."""
+    def popen(*a, **k):
+        raise AssertionError(f"a process was started: {a}")
+    monkeypatch.setattr(blunb.study.subprocess, "Popen", popen)
+
+
+# ---------------------------------------------------------------- the grid, checked first
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"arms": {}}, ValueError, "arms must be a non-empty dict"),
+    ({"arms": ["a"]}, ValueError, "arms must be a non-empty dict"),
+    ({"seeds": []}, ValueError, "seeds must be a non-empty list"),
+    ({"seeds": 3}, ValueError, "seeds must be a non-empty list"),
+    ({"seeds": [0, 0]}, ValueError, "seeds repeat"),
+    ({"seeds": [-1]}, ValueError, r"integer in \[0, 2\*\*32\)"),
+    ({"seeds": [True]}, ValueError, "integer in"),
+    ({"seeds": ["1"]}, ValueError, "integer in"),
+    ({"arms": {"a/b": []}}, ValueError, "arm name must be one folder name"),
+    ({"arms": {"": []}}, ValueError, "arm name must be one folder name"),
+    ({"name": "../up"}, ValueError, "study name must be one folder name"),
+    ({"arms": {"a": "max_lr=1e-3"}}, ValueError, "overrides must be a list"),
+    ({"arms": {"a": ["max_lr"]}}, ValueError, "not a 'key=value' string"),
+    ({"arms": {"a": ["seed=3"]}}, ValueError, "the seed comes from the study's seeds"),
+    ({"common": ["seed=3"]}, ValueError, "common: 'seed=3'"),
+    ({"nproc": 0}, ValueError, "nproc must be an integer >= 1"),
+    ({"max_parallel": 0}, ValueError, "max_parallel must be"),
+    ({"runs_per_gpu": 1.5}, ValueError, "runs_per_gpu must be"),
+    # blunb.train's own checks, run for every run, named by the run
+    ({"arms": {"ok": [], "typo": ["max_lrr=1"]}}, ConfigError, "run typo-s0: unknown setting 'max_lrr'"),
+    ({"arms": {"a": ["fault_nan_grad=1:1"]}}, ConfigError, "run a-s0: .*world_size 1"),
+    ({"preset": "huge"}, ConfigError, "unknown preset 'huge'"),
+    ({"steps": 2}, ConfigError, "--max-steps must be >= 3"),
+    ({"arms": {"a": ["kv_heads=3"]}, "nproc": 2}, ConfigError, "divisible by model.kv_heads"),
+])
+def test_bad_grids_are_clear_errors_before_anything_launches(tmp_path, no_launch, kwargs, error, match):
+    study = {"name": "s", "arms": {"a": []}, "seeds": [0], "steps": 4, "root": tmp_path, **kwargs}
+    with pytest.raises(error, match=match):
+        Study(**study).run()
+    assert list(tmp_path.iterdir()) == []  # not even the study folder
+
+
+def test_cache_actions_follow_the_run_folder(tmp_path):
+    study = Study("s", {"a": ["max_lr=1e-3"]}, seeds=[0], steps=4, root=tmp_path)
+    (plan,) = study._plan()
+    assert plan.action == "new" and plan.run_dir == tmp_path / "s" / "a-s0" and plan.config["seed"] == 0
+    assert plan.config["max_lr"] == 1e-3 and plan.config["max_steps"] == 4  # parse_args's config, overrides applied
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+    write_status(plan.run_dir, "completed", 4, 4)
+    assert study._plan()[0].action == "cached"
+    for state in ("running", "failed", "killed"):
+        write_status(plan.run_dir, state, 2, 4)
+        assert study._plan()[0].action == "resume"
+    write_status(plan.run_dir, "completed", 4, 4)
+    assert Study("s", {"a": ["max_lr=2e-3"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 2}))  # same config, another world size
+    assert study._plan()[0].action == "overwrite"
+
+
+def test_slots_cut_gpus_into_groups_of_nproc():
+    assert _slots([], nproc=1, runs_per_gpu=4, max_parallel=None, cores=2) == [None, None]  # CPU: runs_per_gpu ignored
+    assert _slots([], nproc=2, runs_per_gpu=1, max_parallel=None, cores=2) == [None]
+    assert _slots([], nproc=4, runs_per_gpu=1, max_parallel=None, cores=2) == [None]
+    assert _slots([], nproc=1, runs_per_gpu=1, max_parallel=3, cores=2) == [None] * 3
+    gpus = ["0", "1", "2", "3"]
+    assert _slots(gpus, 1, 1, None, 64) == gpus
+    assert _slots(gpus, 2, 1, None, 64) == ["0,1", "2,3"]
+    assert _slots(gpus, 2, 2, None, 64) == ["0,1", "2,3", "0,1", "2,3"]  # spread first, then share
+    assert _slots(gpus[:3], 2, 1, None, 64) == ["0,1"]
+    assert _slots(gpus, 1, 2, 3, 64) == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="nproc=2 needs 2 GPUs per run, but 1 are visible"):
+        _slots(["7"], 2, 1, None, 64)
+
+
+# ---------------------------------------------------------------- statistics
+
+# Two-sided Student t critical values (standard tables): (confidence, df) -> t.
+T_TABLE = {(0.95, 1): 12.706204736, (0.95, 2): 4.302652730, (0.95, 3): 3.182446305, (0.95, 4): 2.776445105,
+           (0.95, 9): 2.262157163, (0.95, 30): 2.042272456, (0.99, 5): 4.032142984, (0.90, 7): 1.894578605}
+
+
+@pytest.mark.parametrize("confidence, df", sorted(T_TABLE))
+def test_mean_ci_is_t_based(confidence, df):
+    n = df + 1
+    values = [10.0 + i for i in range(n)]
+    mean, sd = 10.0 + df / 2, math.sqrt(n * (n + 1) / 12)  # 0..df: sample sd of consecutive integers
+    ci = mean_ci(values, confidence)
+    assert ci.n == n and ci.mean == pytest.approx(mean)
+    assert (ci.high - ci.mean) / (sd / math.sqrt(n)) == pytest.approx(T_TABLE[(confidence, df)], rel=1e-9)
+    assert ci.mean - ci.low == pytest.approx(ci.high - ci.mean)
+    try:
+        from scipy import stats
+    except ImportError:
+        return
+    assert ci.high - ci.mean == pytest.approx(stats.t.ppf((1 + confidence) / 2, df) * sd / math.sqrt(n), rel=1e-9)
+
+
+def test_mean_ci_edge_cases():
+    ci = mean_ci([2.5])
+    assert ci.mean == 2.5 and ci.n == 1 and math.isnan(ci.low) and math.isnan(ci.high)  # one seed: unknown, not 0
+    ci = mean_ci(pd.Series([1.0, float("nan"), 3.0]))  # a failed run's NaN is dropped and not counted
+    assert ci.n == 2 and ci.mean == 2.0 and ci.high == pytest.approx(2.0 + 12.706204736)
+    ci = mean_ci([float("nan")])
+    assert ci.n == 0 and math.isnan(ci.mean)
+    assert mean_ci([4.0, 4.0, 4.0]) == (4.0, 4.0, 4.0, 3)
+    with pytest.raises(ValueError, match="no values"):
+        mean_ci([])
+    with pytest.raises(ValueError, match="confidence"):
+        mean_ci([1.0, 2.0], confidence=95)
+
+
+def _long(arm, seed, values, metric="val_loss"):
+    return [{"arm": arm, "seed": seed, "step": s, "metric": metric, "value": v} for s, v in values.items()]
+
+
+def test_matched_step_difference_on_hand_made_numbers():
+    rows = (_long("a", 0, {0: 5.0, 10: 4.0, 20: 3.0}) + _long("a", 1, {0: 5.2, 10: 4.4, 20: 3.1})
+            + _long("b", 0, {0: 5.0, 10: 4.6, 30: 2.0}) + _long("b", 1, {0: 5.4, 10: 4.8})
+            + _long("a", 0, {0: 9.0}, metric="train_loss"))
+    d = matched_step_difference(pd.DataFrame(rows), "a", "b")
+    p = d.per_step
+    assert list(p["step"]) == [0, 10]  # 20 only in a, 30 only in b
+    assert p["mean_a"].tolist() == pytest.approx([5.1, 4.2]) and p["mean_b"].tolist() == pytest.approx([5.2, 4.7])
+    assert p["diff"].tolist() == pytest.approx([-0.1, -0.5])
+    sd = lambda x, y: abs(x - y) / math.sqrt(2)  # sample sd of two values
+    assert p["sd_a"].tolist() == pytest.approx([sd(5.0, 5.2), sd(4.0, 4.4)])
+    assert p["sd_b"].tolist() == pytest.approx([sd(5.0, 5.4), sd(4.6, 4.8)])
+    assert p["n_a"].tolist() == [2, 2] and p["n_b"].tolist() == [2, 2]
+    pooled = lambda sa, sb: math.sqrt((sa ** 2 + sb ** 2) / 2)
+    noise = [pooled(sd(5.0, 5.2), sd(5.0, 5.4)), pooled(sd(4.0, 4.4), sd(4.6, 4.8))]
+    assert p["noise"].tolist() == pytest.approx(noise)
+    assert d.mean_diff == pytest.approx(-0.3) and d.noise_floor == pytest.approx(sum(noise) / 2)
+    assert d.exceeds_noise == (0.3 > sum(noise) / 2)
+    assert matched_step_difference(pd.DataFrame(rows), "b", "a").mean_diff == pytest.approx(0.3)
+
+
+def test_matched_step_difference_one_seed_has_no_noise_floor_and_bad_input_is_named():
+    one = pd.DataFrame(_long("a", 0, {0: 5.0, 5: 4.0}) + _long("b", 0, {0: 5.0, 5: 3.0}))
+    d = matched_step_difference(one, "a", "b")
+    assert d.mean_diff == pytest.approx(0.5) and math.isnan(d.noise_floor) and not d.exceeds_noise
+    with pytest.raises(ValueError, match=r"unknown arm 'c'; the table has \['a', 'b'\]"):
+        matched_step_difference(one, "a", "c")
+    with pytest.raises(ValueError, match="no values of metric 'train_loss'"):
+        matched_step_difference(one, "a", "b", metric="train_loss")
+    with pytest.raises(ValueError, match="missing"):
+        matched_step_difference(one.drop(columns="seed"), "a", "b")
+    with pytest.raises(ValueError, match="more than one"):
+        matched_step_difference(pd.concat([one, one]), "a", "b")
+    apart = pd.DataFrame(_long("a", 0, {0: 5.0}) + _long("b", 0, {1: 5.0}))
+    with pytest.raises(ValueError, match="no step with 'val_loss' in common"):
+        matched_step_difference(apart, "a", "b")
+
+
+# ---------------------------------------------------------------- real runs
+
+def _metrics(run_dir):
+    return pd.read_csv(run_dir / "metrics.csv")
+
+
+@pytest.mark.slow
+def test_parallel_runs_then_cache_resume_and_overwrite(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="blunb.study")
+    arms = {"base": [], "lowlr": ["max_lr=1e-3"]}
+    study = Study("grid", arms, seeds=[0], steps=4, root=tmp_path, max_parallel=2, env=ENV)
+    summary = study.run()
+    folder = tmp_path / "grid"
+
+    # Both were started before either finished: they ran side by side.
+    events = [r.getMessage() for r in caplog.records if "started" in r.getMessage() or "completed" in r.getMessage()]
+    assert [e.split(": ", 1)[1].split()[0] for e in events[:2]] == ["started", "started"], events
+
+    assert list(summary.columns) == SUMMARY_COLUMNS
+    assert summary[["arm", "seed", "run", "status", "action"]].values.tolist() == [
+        ["base", 0, "base-s0", "completed", "new"], ["lowlr", 0, "lowlr-s0", "completed", "new"]]
+    assert (summary["steps_done"] == 4).all() and (summary["steps_total"] == 4).all()
+    assert (summary["device"] == "cpu").all() and (summary["world_size"] == 1).all()
+    assert summary["error"].isna().all() and summary["peak_mem_gib"].isna().all()  # CPU: no peak memory
+    assert (summary["steady_tok_per_sec"] > 0).all()
+    on_disk = pd.read_csv(folder / "summary.csv")
+    pd.testing.assert_frame_equal(on_disk[["arm", "seed", "status", "final_val_loss", "best_val_loss"]],
+                                  summary[["arm", "seed", "status", "final_val_loss", "best_val_loss"]])
+    configs = {a: json.loads((folder / f"{a}-s0" / "config.json").read_text()) for a in arms}
+    assert configs["base"]["seed"] == 0 and configs["lowlr"]["max_lr"] == 1e-3 and configs["base"]["max_lr"] == 3e-3
+
+    long = study.metrics_long()
+    assert list(long.columns) == LONG_COLUMNS
+    for arm in arms:
+        m = _metrics(folder / f"{arm}-s0")
+        mine = long[long["arm"] == arm]
+        train = mine[mine["metric"] == "train_loss"]
+        assert train["step"].tolist() == [0, 1, 2, 3]
+        assert train["value"].tolist() == pytest.approx(m["train_loss"].tolist())
+        val = mine[mine["metric"] == "val_loss"]
+        assert val["step"].tolist() == m.dropna(subset=["val_loss"])["step"].tolist() == [0, 3]
+        row = summary.set_index("arm").loc[arm]
+        assert row["final_val_loss"] == pytest.approx(val["value"].iloc[-1])
+        assert row["best_val_loss"] == pytest.approx(val["value"].min())
+    assert not long["value"].isna().any()
+
+    # Re-running the same study launches nothing.
+    mtimes = {a: (folder / f"{a}-s0" / "metrics.csv").stat().st_mtime_ns for a in arms}
+    caplog.clear()
+    with monkeypatch.context() as m:
+        m.setattr(blunb.study.subprocess, "Popen", lambda *a, **k: pytest.fail("a cached run was launched"))
+        again = study.run()
+    assert (again["action"] == "cached").all() and (again["status"] == "completed").all()
+    assert {a: (folder / f"{a}-s0" / "metrics.csv").stat().st_mtime_ns for a in arms} == mtimes
+    assert any("skipped: base-s0, lowlr-s0" in r.getMessage() for r in caplog.records)
+    assert again["final_val_loss"].tolist() == summary["final_val_loss"].tolist()
+
+    # An unfinished run resumes; a changed config overwrites; both complete.
+    write_status(folder / "base-s0", "killed", 2, 4, error="RunKilled: stopped by signal SIGTERM")
+    changed = run_study("grid", {**arms, "lowlr": ["max_lr=2e-3"]}, seeds=[0], steps=4, root=tmp_path,
+                        max_parallel=2, env=ENV, progress=False)
+    assert changed[["run", "action", "status"]].values.tolist() == [["base-s0", "resume", "completed"],
+                                                                   ["lowlr-s0", "overwrite", "completed"]]
+    assert json.loads((folder / "lowlr-s0" / "config.json").read_text())["max_lr"] == 2e-3
+    assert "--resume auto" in " ".join(json.loads((folder / "base-s0" / "env.json").read_text())["argv"])
+    assert "--overwrite" in json.loads((folder / "lowlr-s0" / "env.json").read_text())["argv"]
+    for arm in arms:
+        assert _metrics(folder / f"{arm}-s0")["step"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_failing_arm_is_reported_with_its_root_cause_and_the_other_completes(tmp_path):
+    study = Study("fail", {"ok": [], "bad": SKIPS}, seeds=[0], steps=4, nproc=2, root=tmp_path, max_parallel=2,
+                  env=ENV)
+    with pytest.raises(StudyError) as info:
+        study.run()
+    cause = "the gradient norm was non-finite for 1 steps in a row (through step 1)"
+    msg = str(info.value)
+    assert msg.startswith("1 of 2 run(s) of study 'fail' did not complete") and f"bad-s0: error: {cause}" in msg
+    assert info.value.failures[0][0] == "bad-s0"
+    s = info.value.summary.set_index("run")
+    assert s.loc["ok-s0", "status"] == "completed" and s.loc["ok-s0", "world_size"] == 2
+    assert s.loc["bad-s0", "status"] == "failed" and cause in s.loc["bad-s0", "error"]
+    assert "rank " in s.loc["bad-s0", "error"] and "exit code" in s.loc["bad-s0", "error"]  # torchrun's root cause
+    assert s.loc["bad-s0", "steps_done"] == 1
+    on_disk = pd.read_csv(tmp_path / "fail" / "summary.csv").set_index("run")
+    assert on_disk.loc["bad-s0", "status"] == "failed" and cause in on_disk.loc["bad-s0", "error"]
+    assert (tmp_path / "fail" / "bad-s0" / "console.txt").read_text().count(cause) >= 1
+
+    # allow_failures: the completed run is skipped, the failed one re-run (and failing again), a warning.
+    study.allow_failures = True
+    with pytest.warns(UserWarning, match="bad-s0: error: the gradient norm"):
+        again = study.run()
+    assert again.set_index("run")["action"].to_dict() == {"ok-s0": "cached", "bad-s0": "resume"}
+    assert again.set_index("run")["status"].to_dict() == {"ok-s0": "completed", "bad-s0": "failed"}
+
+
+@pytest.mark.slow
+def test_cli_runs_a_notebook_with_parameters(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell('study = "default"\nsteps = 3\nextra = []')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        'import json\nopen("seen.json", "w").write(json.dumps({"study": study, "steps": steps, "extra": extra}))')]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "s.ipynb")
+    env = {**os.environ, "BLUNB_RESULTS": str(tmp_path / "results")}
+    proc = subprocess.run([sys.executable, "-m", "blunb.study", str(tmp_path / "s.ipynb"), "-p", "study", "lr",
+                           "-p", "steps", "7", "-p", "extra", "['max_lr=1e-3']"], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"study": "lr", "steps": 7, "extra": ["max_lr=1e-3"]}
+    assert (tmp_path / "results" / "scratch" / "s.ipynb").is_file()  # the executed notebook
+    bad = subprocess.run([sys.executable, "-m", "blunb.study", str(tmp_path / "nope.ipynb")], capture_output=True,
+                         text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "no notebook at" in bad.stderr
