@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from blunb.launch import torchrun_command
-from blunb.runs import load_run
+from blunb.runs import load_run, steady_aggregates
 
 
 def main() -> None:
@@ -49,14 +49,12 @@ def main() -> None:
         run = load_run(run_dir)
         m = run.metrics
         steady = m[m["step"] >= args.warmup]
-        secs = steady["dt_ms"].sum() / 1e3
-        tokens = len(steady) * run.config["global_batch"]
+        agg = steady_aggregates(steady)
         rows.append({
             "variant": name, "status": "ok", "preset": args.preset, "nproc": args.nproc,
             "optimizer": run.config["optimizer"], "kernels": run.config["kernels"],
             "global_batch": run.config["global_batch"], "steps": len(m), "steady_steps": len(steady),
-            "steady_ms_per_step": 1e3 * secs / len(steady), "steady_tok_per_sec": tokens / secs,
-            "steady_mfu": (steady["mfu"] * steady["dt_ms"]).sum(min_count=1) / steady["dt_ms"].sum(),
+            "steady_ms_per_step": steady["dt_ms"].mean(), **agg,
             "best_mfu": steady["mfu"].max(), "first_loss": m["train_loss"].iloc[0],
             "final_loss": m["train_loss"].iloc[-1], "peak_mem_gib": m["peak_mem_gib"].max(),
             "device": run.env["device"], "torch": run.env["torch"], "triton": run.env["triton"],

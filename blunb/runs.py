@@ -237,7 +237,7 @@ def load_study(study_dir: str | Path) -> list[Run]:
     return [load_run(p) for p in sorted(study_dir.iterdir()) if (p / "metrics.csv").is_file()]
 
 
-def _steady_aggregates(steady: pd.DataFrame) -> dict:
+def steady_aggregates(steady: pd.DataFrame) -> dict:
     """Steady-state throughput as the MFU meter aggregates it: total tokens / total time and
     total model FLOPs / (total time x peak), never a median or mean of per-step ratios."""
     secs = steady["dt_ms"].sum() / 1e3
@@ -275,7 +275,7 @@ def summarize(runs: list[Run]) -> pd.DataFrame:
             "first_train_loss": float(m["train_loss"].iloc[0]) if len(m) else nan,
             "final_train_loss": float(m["train_loss"].iloc[-1]) if len(m) else nan,
             "final_val_loss": float(val.iloc[-1]) if len(val) else nan,
-            **_steady_aggregates(steady),
+            **steady_aggregates(steady),
             "status": state,
             "steps_done": steps_done,
             "steps_total": steps_total,

@@ -199,12 +199,12 @@ class Study:
             raise ValueError(f"study {self.name!r}: arms must be a non-empty dict of name -> list of "
                              f"'key=value' overrides, got {self.arms!r}")
         seeds = self._checked_seeds()
-        for what, value in (("nproc", self.nproc), ("runs_per_gpu", self.runs_per_gpu)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
-        if self.max_parallel is not None and (isinstance(self.max_parallel, bool)
-                                              or not isinstance(self.max_parallel, int) or self.max_parallel < 1):
-            raise ValueError(f"max_parallel must be an integer >= 1 or None, got {self.max_parallel!r}")
+        for what, value, optional in (("nproc", self.nproc, False), ("runs_per_gpu", self.runs_per_gpu, False),
+                                      ("max_parallel", self.max_parallel, True)):
+            if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)
+                                                        or value < 1):
+                raise ValueError(f"{what} must be an integer >= 1" + (" or None" if optional else "") +
+                                 f", got {value!r}")
         common = _checked_overrides("common", self.common)
         env = {**os.environ, **self.env}
         plans = []
