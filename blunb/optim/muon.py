@@ -463,14 +463,13 @@ class ShardedMuon(torch.optim.Optimizer):
             total += sum(t.numel() * t.element_size() for t in bufs)
         return total
 
-    @torch.no_grad()
-    def replica_checksum(self) -> float:
-        """Position-weighted fp64 sum of every parameter: bit-identical replicas agree.
-        Installs pending refreshes first."""
+    def replica_checksum(self) -> torch.Tensor:
+        """blunb.diag's bit-level hash of every parameter (equal on all ranks iff the replicas
+        are, barring collisions). Installs pending refreshes first."""
+        from blunb.diag import replica_checksum
+
         self.drain_refresh()
-        params = self._muon_params + self._aux_params
-        sums = torch.stack([p.detach().double().sum() for p in params])
-        return float((sums * torch.arange(1, len(params) + 1, dtype=torch.float64, device=sums.device)).sum())
+        return replica_checksum(self._muon_params + self._aux_params)
 
     # ------------------------------------------------------------------ reduction
     @torch.no_grad()

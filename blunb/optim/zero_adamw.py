@@ -460,19 +460,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         + a flat reduce buffer (padded x reduce element size) when it differs from the param dtype."""
         return 12 * self.shard_numel + self._extra_bytes(self.red_dtype)
 
-    @torch.no_grad()
     def replica_checksum(self) -> torch.Tensor:
-        """Position-weighted int64 hash of the parameter bits; equal on all ranks iff the
-        replicas are (barring collisions) bit-identical. Installs pending refreshes first."""
+        """blunb.diag's bit-level hash of this group's parameters (equal on all ranks iff the
+        replicas are, barring collisions). Installs pending refreshes first."""
+        from blunb.diag import replica_checksum
+
         self.drain_refresh()
-        int_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[self._flat_param.element_size()]
-        bits = self._flat_param.view(int_dtype)
-        total = torch.zeros((), dtype=torch.int64, device=self.device)
-        step = 1 << 22    # bounded temporary for the weights
-        for a in range(0, bits.numel(), step):
-            w = torch.arange(a, min(a + step, bits.numel()), device=self.device) % 8191 + 1
-            total += (bits[a: a + step].long() * w).sum()
-        return total
+        return replica_checksum(self._params)
 
     # ------------------------------------------------------------ checkpoints
     def _owned_range(self, i: int, q: int) -> tuple[int, int, int]:
