@@ -6,7 +6,7 @@ STAMP := $(VENV)/.blunb-installed
 STUDY ?= quickstart
 NPROC ?= 2
 
-.PHONY: env study test lint bench clean-env
+.PHONY: env study studies test lint bench clean-env
 
 env: $(STAMP)
 
@@ -25,6 +25,16 @@ study: env
 	mkdir -p results/$(STUDY)/run0
 	$(PY) -m papermill notebooks/00_quickstart.ipynb results/$(STUDY)/run0/run.ipynb \
 		-p study $(STUDY) -p nproc $(NPROC) -p publish True -k python3 --cwd notebooks
+
+# Every study notebook (notebooks/1*.ipynb) headless at its CPU defaults, each executed notebook
+# beside its runs in results/scratch/<notebook>/. GPU scale: pass parameters through blunb.study,
+# e.g. `python -m blunb.study notebooks/10_clipping.ipynb -p preset 124m -p publish True`.
+STUDIES ?= $(sort $(wildcard notebooks/1*.ipynb))
+studies: env
+	@for nb in $(STUDIES); do \
+		echo "== $$nb"; \
+		$(PY) -m blunb.study $$nb || exit 1; \
+	done
 
 test: env
 	$(PY) -m pytest -q
