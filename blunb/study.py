@@ -79,8 +79,8 @@ LONG_COLUMNS = ["arm", "seed", "step", "metric", "value"]
 
 
 class StudyError(RuntimeError):
-    """Some runs of a study failed. `summary`: the study's table (the failed runs included);
-    `failures`: (run name, root cause) pairs."""
+    """Some runs of a study failed (or, with render_only, were not there to render). `summary`:
+    the study's table (the failed runs included); `failures`: (run name, root cause) pairs."""
 
     def __init__(self, message: str, summary: pd.DataFrame | None = None,
                  failures: list[tuple[str, str]] | None = None):
@@ -121,17 +121,21 @@ class _Outcome:
 class Study:
     """A grid of `arms` (name -> list of "key=value" overrides) x `seeds` on one preset.
 
-    steps: --max-steps (None: the preset's schedule). nproc: ranks per run. common: overrides every
+    arm_seeds: per-arm seed lists that replace `seeds` for those arms (e.g. three seeds for an A/B's
+    two arms, one for side arms). steps: --max-steps (None: the preset's schedule). nproc: ranks per run. common: overrides every
     arm gets before its own. root: the folder studies go in (default results_root()); the study's
     own folder is root/name. max_parallel: runs at a time (default: see the module docstring).
     runs_per_gpu: runs sharing one group of nproc GPUs (ignored on the CPU). env: extra environment
     for every run. allow_failures: warn instead of raising StudyError. progress: the tqdm bar / log lines.
+    render_only: train nothing; raise StudyError naming every run that is not cached (e.g. to render
+    GPU results on a laptop without ever starting a 124m run there by accident).
     """
 
     name: str
     arms: dict[str, Sequence[str]]
     seeds: Sequence[int]
     preset: str = "tiny"
+    arm_seeds: dict[str, Sequence[int]] = field(default_factory=dict)
     steps: int | None = None
     nproc: int = 1
     common: Sequence[str] = ()
@@ -141,6 +145,7 @@ class Study:
     env: dict[str, str] = field(default_factory=dict)
     allow_failures: bool = False
     progress: bool = True
+    render_only: bool = False
 
     @property
     def folder(self) -> Path:
@@ -162,6 +167,10 @@ class Study:
             log.info(f"{self.name}: {len(cached)} run(s) already completed with this config, skipped: "
                      f"{', '.join(cached)}")
         todo = [p for p in plans if p.action != "cached"]
+        if todo and self.render_only:
+            raise StudyError(f"study {self.name!r} is render_only, but {len(todo)} of {len(plans)} run(s) are not "
+                             f"completed with this config in {self.folder}: "
+                             + ", ".join(f"{p.name} ({p.action})" for p in todo))
         outcomes = {p.name: _Outcome("completed") for p in plans if p.action == "cached"}
         if any(p.config["data"] == "default" for p in todo):
             from blunb.data import ensure_default_corpus
@@ -198,7 +207,12 @@ class Study:
         if not isinstance(self.arms, dict) or not self.arms:
             raise ValueError(f"study {self.name!r}: arms must be a non-empty dict of name -> list of "
                              f"'key=value' overrides, got {self.arms!r}")
-        seeds = self._checked_seeds()
+        seeds = self._checked_seeds(self.seeds)
+        if not isinstance(self.arm_seeds, dict):
+            raise ValueError(f"study {self.name!r}: arm_seeds must be a dict of arm name -> seeds, got {self.arm_seeds!r}")
+        if unknown := sorted(set(self.arm_seeds) - set(self.arms)):
+            raise ValueError(f"study {self.name!r}: arm_seeds names arms that are not in arms: {unknown}")
+        seeds_of = {arm: self._checked_seeds(s) for arm, s in self.arm_seeds.items()}
         for what, value, optional in (("nproc", self.nproc, False), ("runs_per_gpu", self.runs_per_gpu, False),
                                       ("max_parallel", self.max_parallel, True)):
             if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)
@@ -212,7 +226,7 @@ class Study:
             if not isinstance(arm, str) or not _NAME.match(arm):
                 raise ValueError(f"arm name must be one folder name (letters, digits, . _ + = -), got {arm!r}")
             overrides = common + _checked_overrides(f"arm {arm!r}", overrides)
-            for seed in seeds:
+            for seed in seeds_of.get(arm, seeds):
                 name = f"{arm}-s{seed}"
                 run_dir = self.folder / name
                 args = ["--preset", self.preset, "--run-dir", str(run_dir)]
@@ -230,13 +244,13 @@ class Study:
                 plans.append(plan)
         return plans
 
-    def _checked_seeds(self) -> list[int]:
+    def _checked_seeds(self, given) -> list[int]:
         try:
-            seeds = [] if isinstance(self.seeds, (str, bytes)) else list(self.seeds)
+            seeds = [] if isinstance(given, (str, bytes)) else list(given)
         except TypeError:  # a bare number
             seeds = []
         if not seeds:
-            raise ValueError(f"study {self.name!r}: seeds must be a non-empty list of integers, got {self.seeds!r}")
+            raise ValueError(f"study {self.name!r}: seeds must be a non-empty list of integers, got {given!r}")
         for s in seeds:
             if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < 2**32:
                 raise ValueError(f"study {self.name!r}: every seed must be an integer in [0, 2**32), got {s!r}")
@@ -567,6 +581,17 @@ def mean_ci(values, confidence: float = 0.95) -> MeanCI:
         return MeanCI(mean, nan, nan, 1)
     half = _t_quantile(confidence, n - 1) * statistics.stdev(xs) / math.sqrt(n)
     return MeanCI(mean, mean - half, mean + half, n)
+
+
+def curve_band(metrics_long: pd.DataFrame, metric: str = "val_loss", confidence: float = 0.95) -> pd.DataFrame:
+    """Per arm and step, the mean of `metric` across seeds and its t-based CI (mean_ci): columns
+    arm, step, mean, low, high, n. What a loss-curve plot with a CI band draws."""
+    rows = metrics_long[(metrics_long["metric"] == metric) & metrics_long["value"].notna()]
+    if rows.empty:
+        raise ValueError(f"no values of metric {metric!r}; the table has {sorted(metrics_long['metric'].unique())}")
+    out = [{"arm": arm, "step": step, **mean_ci(group["value"], confidence)._asdict()}
+           for (arm, step), group in rows.groupby(["arm", "step"], sort=True)]
+    return pd.DataFrame(out, columns=["arm", "step", "mean", "low", "high", "n"])
 
 
 @dataclass

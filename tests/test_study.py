@@ -59,6 +59,9 @@ def no_launch(monkeypatch):
     ({"nproc": 0}, ValueError, "nproc must be an integer >= 1"),
     ({"max_parallel": 0}, ValueError, "max_parallel must be"),
     ({"runs_per_gpu": 1.5}, ValueError, "runs_per_gpu must be"),
+    ({"arm_seeds": {"b": [1]}}, ValueError, r"arm_seeds names arms that are not in arms: \['b'\]"),
+    ({"arm_seeds": {"a": []}}, ValueError, "seeds must be a non-empty list"),
+    ({"arm_seeds": [0]}, ValueError, "arm_seeds must be a dict"),
     # blunb.train's own checks, run for every run, named by the run
     ({"arms": {"ok": [], "typo": ["max_lrr=1"]}}, ConfigError, "run typo-s0: unknown setting 'max_lrr'"),
     ({"arms": {"a": ["fault_nan_grad=1:1"]}}, ConfigError, "run a-s0: .*world_size 1"),
@@ -90,6 +93,18 @@ def test_cache_actions_follow_the_run_folder(tmp_path):
     assert Study("s", {"a": ["max_lr=2e-3"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 2}))  # same config, another world size
     assert study._plan()[0].action == "overwrite"
+
+
+def test_arm_seeds_replace_the_study_seeds_for_their_arms(tmp_path):
+    study = Study("s", {"ab": [], "side": ["max_lr=1e-3"]}, seeds=[0], arm_seeds={"ab": [3, 4, 5]}, steps=4,
+                  root=tmp_path)
+    assert [p.name for p in study._plan()] == ["ab-s3", "ab-s4", "ab-s5", "side-s0"]
+
+
+def test_render_only_refuses_to_train_and_names_the_missing_runs(tmp_path, no_launch):
+    study = Study("s", {"a": [], "b": ["max_lr=1e-3"]}, seeds=[0], steps=4, root=tmp_path, render_only=True)
+    with pytest.raises(StudyError, match=r"render_only, but 2 of 2 run\(s\).*a-s0 \(new\), b-s0 \(new\)"):
+        study.run()
 
 
 def test_slots_cut_gpus_into_groups_of_nproc():
