@@ -1,22 +1,34 @@
-# Each target makes the environment first if it is missing (.venv, CPU torch 2.13.0).
+# Each target makes the environment first if it is missing (.venv: the CPU torch, then blunb[dev,notebook]).
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.blunb-installed
 STUDY ?= quickstart
 NPROC ?= 2
+# torch goes in first, from TORCH_INDEX alone: on Linux PyPI's torch is the multi-GB CUDA build, the
+# CPU index has only CPU builds. A GPU machine passes its CUDA index instead, e.g.
+# `make env TORCH_INDEX=https://download.pytorch.org/whl/cu130`; the triton that build brings is kept.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: env study studies test lint bench clean-env
+.PHONY: env check-env study studies test lint bench clean-env
 
 env: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build, pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,notebook]"
+	$(PY) -m pip install -q --index-url $(TORCH_INDEX) "torch==$(TORCH_VERSION)"
+	# torch named again: the one just installed satisfies it, and a TORCH_VERSION outside blunb's range
+	# stops here with a conflict rather than pip swapping in PyPI's (CUDA) torch.
+	$(PY) -m pip install -q -e ".[dev,notebook]" "torch==$(TORCH_VERSION)"
 	touch $(STAMP)
+
+# How a stock machine resolves blunb's two install paths, this machine's pip configuration switched
+# off: the CPU path (environment.yml, the CPU index) and the CUDA path (PyPI's torch, with the triton it
+# pins). `pip install --dry-run`: nothing is downloaded beyond metadata; an unreachable index skips.
+check-env: env
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m 'network or not network' tests/test_env.py
 
 # The main job: the quick-start study on the CPU (2 ranks, gloo), rendered into results/quickstart/.
 # publish True: only this target writes the committed results/<study>/ (the notebook's default is

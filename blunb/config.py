@@ -50,6 +50,15 @@ def _check_lr_pair(hi_name: str, hi: float, lo_name: str, lo: float) -> None:
         raise ConfigError(f"need 0 <= {lo_name} <= {hi_name} and {hi_name} > 0, got {lo_name}={lo}, {hi_name}={hi}")
 
 
+# The per-stage precision flags (ModelConfig fields) that the `all_bf16` override sets together.
+BF16_STAGES = ("bf16_resid", "bf16_logits", "bf16_embed")
+ALL_BF16 = "all_bf16"
+
+# Optimizer sets that step the parameters with torch's AdamW (no ZeRO-1). adamw_bf16_nomaster is
+# the precision study's counter-example: bf16 parameters and moments with no fp32 master.
+TORCH_ADAMW = ("ddp_adamw", "adamw_bf16_nomaster")
+
+
 @dataclass
 class ModelConfig:
     d_model: int = 3072
@@ -65,7 +74,8 @@ class ModelConfig:
     rms_eps: float = 1e-5
     qk_eps: float = 1e-6
     rope_interleaved: bool = False  # False: NeoX half-split; True: GPT-J pairs
-    # Each flag moves exactly one stage from fp32 to bf16 (the seed's bisectable layout).
+    # Each flag moves exactly one stage from fp32 to bf16 (the seed's bisectable layout). The
+    # override `all_bf16=true` (the seed's BLU_ALL_BF16) sets all three; see apply_overrides.
     bf16_resid: bool = False   # residual stream + block RMSNorm scales
     bf16_logits: bool = False  # logits (the loss itself is always fp32 here)
     bf16_embed: bool = False   # token embedding (and the tied lm_head)
@@ -113,7 +123,9 @@ class TrainConfig:
     warmup_steps: int = 200
     stable_steps: int = 1400
     max_steps: int = 2000
-    optimizer: str = "adamw"        # "adamw" (ZeRO-1) | "muon" (ZeRO-1 Muon + AdamW) | "ddp_adamw" (torch)
+    # "adamw" (ZeRO-1) | "muon" (ZeRO-1 Muon + AdamW) | "ddp_adamw" (torch) | "adamw_bf16_nomaster"
+    # (torch AdamW on bf16 parameters without fp32 masters: the precision study's counter-example only)
+    optimizer: str = "adamw"
     muon_lr: float = 8e-4
     muon_min_lr: float = 8e-5
     muon_momentum: float = 0.95
@@ -174,7 +186,7 @@ class TrainConfig:
         from blunb.optim.muon import ADJUST_LR
         from blunb.optim.zero_adamw import COLLECTIVES, REDUCE_DTYPES
 
-        choices = {"optimizer": ("adamw", "muon", "ddp_adamw"), "collective": COLLECTIVES,
+        choices = {"optimizer": ("adamw", "muon", *TORCH_ADAMW), "collective": COLLECTIVES,
                    "muon_collective": COLLECTIVES, "reduce_dtype": tuple(REDUCE_DTYPES), "muon_adjust_lr": ADJUST_LR,
                    "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
@@ -204,13 +216,18 @@ class TrainConfig:
                               f"{self.ckpt_keep}")
         if self.muon_buckets < 1:
             raise ConfigError(f"muon_buckets must be >= 1, got {self.muon_buckets}")
-        if self.optimizer == "ddp_adamw":
-            # DDP never reads the ZeRO-1 switches: an A/B run with one set would silently measure nothing.
+        if self.optimizer in TORCH_ADAMW:
+            # torch AdamW never reads the ZeRO-1 switches: an A/B run with one set would silently measure nothing.
             defaults = {f.name: f.default for f in fields(TrainConfig)}
             ignored = [f"{k}={getattr(self, k)!r}" for k in _ZERO_ONLY if getattr(self, k) != defaults[k]]
             if ignored:
-                raise ConfigError(f"optimizer=ddp_adamw would ignore these ZeRO-1 switches: {', '.join(ignored)}; "
-                                  "reset them or use optimizer=adamw")
+                raise ConfigError(f"optimizer={self.optimizer} would ignore these ZeRO-1 switches: "
+                                  f"{', '.join(ignored)}; reset them or use optimizer=adamw")
+        m = self.model
+        if self.optimizer == "adamw_bf16_nomaster" and m.linear_dtype == "fp32" and not (m.bf16_resid or m.bf16_embed):
+            raise ConfigError("optimizer=adamw_bf16_nomaster steps bf16 parameters without fp32 masters, but "
+                              "model.linear_dtype=fp32 (and neither bf16_resid nor bf16_embed) leaves every parameter "
+                              "fp32: it would be plain AdamW. Use linear_dtype=auto or bf16")
 
     def fault_nan_grad_at(self) -> set[tuple[int, int]]:
         """The (step, rank) pairs whose gradient fault_nan_grad poisons."""
@@ -248,7 +265,7 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-# TrainConfig switches only the ZeRO-1 optimizers read (optimizer=ddp_adamw rejects them).
+# TrainConfig switches only the ZeRO-1 optimizers read (the TORCH_ADAMW optimizers reject them).
 _ZERO_ONLY = ("collective", "muon_collective", "muon_buckets", "reduce_dtype", "overlap_backward", "overlap_refresh",
               "bucket_mb", "global_clip", "global_clip_strict")
 
@@ -311,13 +328,27 @@ def _parse_value(raw: str, current):
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
-    """Apply `key=value` strings in order; unknown keys are an error naming the key."""
+    """Apply `key=value` strings in order; unknown keys are an error naming the key.
+
+    `all_bf16=BOOL` (or `model.all_bf16`, the seed's BLU_ALL_BF16) sets the three BF16_STAGES
+    flags at once; a per-stage override after it wins (`all_bf16=true bf16_embed=false`: residual
+    and logits only), as the seed's per-stage knobs do. The flags themselves are what config.json
+    records.
+    """
     train_keys = {f.name for f in fields(TrainConfig)} - {"model"}
     model_keys = {f.name for f in fields(ModelConfig)}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, raw = (s.strip() for s in item.split("=", 1))
+        if key in (ALL_BF16, f"model.{ALL_BF16}"):
+            try:
+                on = _parse_value(raw, False)
+            except ConfigError as err:
+                raise ConfigError(f"override {item!r}: {err}") from None
+            for name in BF16_STAGES:
+                setattr(cfg.model, name, on)
+            continue
         if key.startswith("model."):
             target, name = cfg.model, key[len("model."):]
             if name not in model_keys:
@@ -328,7 +359,8 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
             target, name = cfg.model, key
         else:
             raise ConfigError(f"unknown setting {key!r}; TrainConfig keys: {sorted(train_keys)}; "
-                              f"ModelConfig keys (optionally prefixed 'model.'): {sorted(model_keys)}")
+                              f"ModelConfig keys (optionally prefixed 'model.'): {sorted(model_keys)}; "
+                              f"and {ALL_BF16} (sets {', '.join(BF16_STAGES)})")
         try:
             setattr(target, name, _parse_value(raw, getattr(target, name)))
         except ConfigError as err:

@@ -3,14 +3,18 @@
 Shards use the llm.c / modded-nanogpt `.bin` format, so real FineWeb shards work as-is:
 a header of 256 int32 (magic 20240520, version 1, token count, zeros) then uint16 tokens.
 
-The embedded default corpus is the running Python's own standard-library source: present
-on every machine, no network. It is tokenized at the byte level (256 byte values plus an
-end-of-document token), prepared once and cached under $BLUNB_DATA_DIR (default
-~/.cache/blunb/data), keyed by the Python version and the file list; its content hash is
-recorded in meta.json and copied into every run folder.
+Corpora need no network: `stdlib` (the default: the running Python's standard-library source,
+24 MB), `site-packages` (every .py file of its installed packages, deduplicated by content; with
+`+headers` also their C/C++ headers) or a folder of text files. Each is tokenized with a
+tokenizer from blunb.tokenizer (`byte`, `bpe:<vocab>`, `gpt2`), one document per file followed by
+the end-of-document token, every 20th document to val. A named source is prepared once and cached
+under $BLUNB_DATA_DIR (default ~/.cache/blunb/data), keyed by the Python version, the file list
+and the tokenizer. meta.json records the tokenizer (name, vocab_size, eot, file, sha256), the
+content hash of the documents and the token counts; the trainer copies it into every run's
+env.json and checks model.vocab_size against it.
 
-`python -m blunb.data prepare [--src FOLDER] [--out DIR]` prepares the default corpus or a
-folder of text files.
+    blunb-data prepare [--source stdlib|site-packages|site-packages+headers|FOLDER]
+                       [--tokenizer byte|bpe:<vocab>|gpt2] [--out DIR]      (or python -m blunb.data)
 
 Facts that need a full read of a shard (its largest token id, its sha256) are cached in
 `<shard>.blunb-cache.json` beside it, keyed by the file's size and mtime; in a read-only
@@ -20,18 +24,36 @@ folder they are simply recomputed.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import site
 import sys
 import sysconfig
 import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
+from blunb.config import ConfigError
+from blunb.tokenizer import (
+    TOKENIZER_CHOICES,
+    BPETokenizer,
+    ByteTokenizer,
+    GPT2Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+    padded_vocab_size,
+    parse_tokenizer_spec,
+    require_tokenizers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +65,6 @@ HEADER_BYTES = HEADER_INTS * 4
 
 class DataError(ValueError):
     """A missing, corrupt or unusable data file, named in the message."""
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus an end-of-document token 256. Needs no download."""
-
-    name = "bytes-v1"
-    eot = 256
-    vocab_size = 257
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, tokens) -> str:
-        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------- shard files
@@ -231,73 +239,22 @@ def shard_manifest(shards: list[Path]) -> list[dict]:
     return [{"name": Path(p).name, "bytes": Path(p).stat().st_size, "sha256": shard_sha256(p)} for p in shards]
 
 
-# ---------------------------------------------------------------- corpus preparation
+# ---------------------------------------------------------------- corpus sources
 
-def _progress(iterable, total: int, desc: str, enabled: bool):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit="file", file=sys.stderr)
+HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".cuh")
+NAMED_SOURCES = ("stdlib", "site-packages", "site-packages+headers")
+# Part of every cache folder's name: a change to what prepare writes must not reuse older folders.
+PREPARE_VERSION = 2
 
 
-def prepare_corpus(files: list[Path], out_dir: str | Path, *, val_every: int = 20,
-                   shard_tokens: int = 1 << 22, progress: bool = True, source: str = "") -> dict:
-    """Tokenize `files` (sorted, one document each) into train/val shards in `out_dir`.
+@dataclass(frozen=True)
+class CorpusSource:
+    """The documents of a corpus (one file each, in a fixed order) and how to describe them."""
 
-    Every `val_every`-th document goes to val. Written to a temporary folder and renamed
-    into place, so an interrupted prepare leaves no half-made corpus behind.
-    """
-    # The split depends only on the file count: refuse before tokenizing anything.
-    if val_every < 2 or len(files) < val_every:
-        raise DataError(f"a corpus of {len(files)} file(s) is too small for a train/val split: every "
-                        f"{val_every}th file goes to val, so it needs at least {max(val_every, 2)} files")
-    tok = ByteTokenizer()
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"output {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "meta.json").is_file():
-        # The output folder is replaced wholesale; never do that to a folder we did not make.
-        raise DataError(f"output folder {out_dir} is not empty and holds no prepared corpus (meta.json); "
-                        f"refusing to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    digest = hashlib.sha256()
-    buffers = {"train": [], "val": []}
-    counts = {"train": 0, "val": 0}
-    shard_idx = {"train": 0, "val": 0}
-
-    def flush(split, final=False):
-        buf = np.concatenate(buffers[split]) if buffers[split] else np.zeros(0, np.uint16)
-        while buf.size >= shard_tokens or (final and buf.size):
-            write_shard(tmp / f"{split}_{shard_idx[split]:06d}.bin", buf[:shard_tokens])
-            shard_idx[split] += 1
-            buf = buf[shard_tokens:]
-        buffers[split] = [buf] if buf.size else []
-
-    try:
-        for i, path in enumerate(_progress(files, len(files), "tokenizing", progress)):
-            raw = Path(path).read_bytes()
-            digest.update(raw)
-            split = "val" if i % val_every == val_every - 1 else "train"
-            arr = np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
-            buffers[split].append(np.append(arr, np.uint16(tok.eot)))
-            counts[split] += arr.size + 1
-            if sum(b.size for b in buffers[split]) >= shard_tokens:
-                flush(split)
-        flush("train", final=True)
-        flush("val", final=True)
-        meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eot": tok.eot,
-                "sha256": digest.hexdigest(), "num_files": len(files), "source": source,
-                "train_tokens": counts["train"], "val_tokens": counts["val"], "format": "llm.c .bin v1"}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta
+    name: str          # a NAMED_SOURCES entry, or the folder given
+    files: list[Path]
+    description: str   # meta.json "source"
+    dedupe: bool       # drop files whose content is already in the corpus
 
 
 def stdlib_files(max_bytes: int = 24 << 20) -> list[Path]:
@@ -316,25 +273,293 @@ def stdlib_files(max_bytes: int = 24 << 20) -> list[Path]:
     return files
 
 
+def site_package_roots() -> list[Path]:
+    """This Python's site-packages / dist-packages folders (user site included), none inside another."""
+    paths = sysconfig.get_paths()
+    candidates = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"], paths["platlib"]]
+    roots = sorted({Path(p).resolve() for p in candidates if Path(p).is_dir()})
+    return [r for r in roots if not any(other != r and other in r.parents for other in roots)]
+
+
+def _walk_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    # os.walk, not rglob: it never follows symlinked folders (no loops, no files outside the root).
+    return [Path(folder) / name for folder, _, names in os.walk(root) for name in names if name.endswith(suffixes)]
+
+
+def site_packages_files(headers: bool = False) -> list[Path]:
+    """Every .py file under site_package_roots(), sorted; with `headers`, also the C/C++ headers there
+    and in this Python's include folders. Duplicates by content are dropped when preparing."""
+    roots = site_package_roots()
+    files = {p for root in roots for p in _walk_files(root, (".py",))}
+    if headers:
+        paths = sysconfig.get_paths()
+        include = {Path(paths[k]).resolve() for k in ("include", "platinclude") if Path(paths[k]).is_dir()}
+        files |= {p for root in [*roots, *include] for p in _walk_files(root, HEADER_SUFFIXES)}
+    return sorted(p for p in files if p.is_file())
+
+
+def corpus_source(source: str) -> CorpusSource:
+    """A named source (NAMED_SOURCES) or a folder of *.txt, *.md and *.py files; DataError otherwise."""
+    python = f"python {sys.version.split()[0]}"
+    if source == "stdlib":
+        return CorpusSource(source, stdlib_files(), f"{python} stdlib", dedupe=False)
+    if source in ("site-packages", "site-packages+headers"):
+        headers = source.endswith("+headers")
+        files = site_packages_files(headers=headers)
+        if not files:
+            raise DataError(f"--source {source}: no files found under {[str(r) for r in site_package_roots()]}")
+        what = "site-packages .py and C/C++ headers" if headers else "site-packages .py"
+        return CorpusSource(source, files, f"{python} {what}, deduplicated", dedupe=True)
+    folder = Path(source)
+    if not folder.exists():
+        raise DataError(f"--source {source!r} is neither a folder nor a known corpus ({', '.join(NAMED_SOURCES)})")
+    if not folder.is_dir():
+        raise DataError(f"--source must be a folder of text files or one of {', '.join(NAMED_SOURCES)}, "
+                        f"but {folder} is a file")
+    files = sorted(p for ext in ("*.txt", "*.md", "*.py") for p in folder.rglob(ext))
+    if not files:
+        raise DataError(f"no *.txt, *.md or *.py files under {folder}")
+    return CorpusSource(str(folder), files, str(folder), dedupe=False)
+
+
+# ---------------------------------------------------------------- corpus preparation
+
+ENCODE_BATCH_BYTES = 8 << 20  # documents handed to the tokenizer at once: its threads share a batch
+SHARD_TOKENS = 1 << 22        # 8 MiB per shard
+BPE_SAMPLE_BYTES = 128 << 20  # bpe training text: bounds its time and memory on GPU-scale corpora
+
+
+class _ShardWriter:
+    """One split's documents, each followed by the end-of-document token, cut into shards of
+    `shard_tokens`. A final remainder under half a shard joins the last shard instead of becoming
+    a stub too short for the loader's B*T*world_size window."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, eot: int):
+        self.folder, self.split, self.shard_tokens = folder, split, shard_tokens
+        self.eot = np.array([eot], dtype=np.uint16)
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.written: list[Path] = []
+        self.tokens = 0
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending += [tokens, self.eot]
+        self.pending_tokens += tokens.size + 1
+        self.tokens += tokens.size + 1
+        if self.pending_tokens >= self.shard_tokens:
+            buf = np.concatenate(self.pending)
+            while buf.size >= self.shard_tokens:
+                self._write(buf[:self.shard_tokens])
+                buf = buf[self.shard_tokens:]
+            self.pending, self.pending_tokens = [buf], buf.size
+
+    def close(self) -> None:
+        if not self.pending_tokens:
+            return
+        buf = np.concatenate(self.pending)
+        if self.written and buf.size < self.shard_tokens // 2:
+            write_shard(self.written[-1], np.concatenate([read_shard(self.written[-1]), buf]))
+        else:
+            self._write(buf)
+
+    def _write(self, tokens: np.ndarray) -> None:
+        path = self.folder / f"{self.split}_{len(self.written):06d}.bin"
+        write_shard(path, tokens)
+        self.written.append(path)
+
+
+def _check_split(n_files: int, val_every: int) -> None:
+    if val_every < 2 or n_files < val_every:
+        raise DataError(f"a corpus of {n_files} file(s) is too small for a train/val split: every "
+                        f"{val_every}th file goes to val, so it needs at least {max(val_every, 2)} files")
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "meta.json").is_file():
+        # The output folder is replaced wholesale; never do that to a folder we did not make.
+        raise DataError(f"output folder {out_dir} is not empty and holds no prepared corpus (meta.json); "
+                        f"refusing to replace it")
+
+
+def _survey(files: list[Path], dedupe: bool, progress: bool) -> tuple[list[Path], list[int], str, int]:
+    """One read of every file: (documents kept, their sizes, sha256 of their bytes in order, duplicates dropped)."""
+    digest, seen = hashlib.sha256(), set()
+    kept, sizes = [], []
+    with tqdm(total=sum(p.stat().st_size for p in files), desc="hashing", unit="B", unit_scale=True,
+              file=sys.stderr, disable=not progress) as bar:
+        for path in files:
+            raw = path.read_bytes()
+            bar.update(len(raw))
+            if dedupe:
+                key = hashlib.sha256(raw).digest()
+                if key in seen:
+                    continue
+                seen.add(key)
+            digest.update(raw)
+            kept.append(path)
+            sizes.append(len(raw))
+    return kept, sizes, digest.hexdigest(), len(files) - len(kept)
+
+
+def _batches(sizes: list[int]):
+    """Consecutive runs of document indices holding about ENCODE_BATCH_BYTES each."""
+    batch, size = [], 0
+    for i in range(len(sizes)):
+        batch.append(i)
+        size += sizes[i]
+        if size >= ENCODE_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _check_settings(tokenizer: str, shard_tokens: int, bpe_sample_bytes: int) -> tuple[str, int | None]:
+    """The parsed tokenizer spec, once the settings are known to be usable (DataError otherwise)."""
+    try:
+        spec = parse_tokenizer_spec(tokenizer)
+    except TokenizerError as err:
+        raise DataError(str(err)) from None
+    if shard_tokens < 1 or bpe_sample_bytes < 1:
+        raise DataError(f"shard_tokens and bpe_sample_bytes must be positive, got {shard_tokens}, {bpe_sample_bytes}")
+    return spec
+
+
+def prepare_corpus(files: list[Path], out_dir: str | Path, *, tokenizer: str = "byte", val_every: int = 20,
+                   shard_tokens: int = SHARD_TOKENS, progress: bool = True, source: str = "", dedupe: bool = False,
+                   bpe_sample_bytes: int = BPE_SAMPLE_BYTES) -> dict:
+    """Tokenize `files` (one document each, in this order) into train/val shards in `out_dir`; return its meta.
+
+    tokenizer: "byte", "bpe:<vocab>" (trained here on at most `bpe_sample_bytes` of the train split, an
+    even stride through it, so validation text never shapes the vocabulary) or "gpt2". Every
+    `val_every`-th document goes to val; with `dedupe`, a file whose content was already seen is skipped.
+    Files are streamed: memory holds one encoding batch and one shard per split, whatever the corpus
+    size. Written to a temporary folder and renamed into place, so an interrupted prepare leaves no
+    half-made corpus behind. Bad settings and a missing tokenizer are refused before any file is read.
+    """
+    kind, bpe_vocab = _check_settings(tokenizer, shard_tokens, bpe_sample_bytes)
+    tok = ByteTokenizer() if kind == "byte" else None  # bpe: trained below, once the documents are known
+    try:  # the packages and files a tokenizer needs are checked before any document is read
+        if kind == "gpt2":
+            tok = GPT2Tokenizer()
+        elif kind == "bpe":
+            require_tokenizers()
+    except TokenizerError as err:
+        raise DataError(str(err)) from None
+    # The split depends only on the file count: refuse before reading anything.
+    _check_split(len(files), val_every)
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; others sharing the data folder should read it
+        log.info(f"reading {len(files)} files")
+        docs, sizes, corpus_sha, duplicates = _survey([Path(p) for p in files], dedupe, progress)
+        _check_split(len(docs), val_every)
+        is_val = [i % val_every == val_every - 1 for i in range(len(docs))]
+        extra = {"duplicates_dropped": duplicates} if dedupe else {}
+        if kind == "bpe":
+            train_idx = [i for i in range(len(docs)) if not is_val[i]]
+            stride = max(1, -(-sum(sizes[i] for i in train_idx) // bpe_sample_bytes))
+            sample = train_idx[::stride]
+            extra["bpe_trained_on"] = {"files": len(sample), "bytes": sum(sizes[i] for i in sample),
+                                       "of": f"the train split, 1 file in {stride}" if stride > 1
+                                       else "the whole train split"}
+            log.info(f"training a {bpe_vocab}-id byte-level BPE on {extra['bpe_trained_on']['bytes'] / 1e6:.1f} MB "
+                     f"({len(sample)} train files)")
+            tok = BPETokenizer.train((docs[i].read_bytes() for i in sample), bpe_vocab,
+                                     tmp / BPETokenizer.file_name, progress=progress)
+        writers = {split: _ShardWriter(tmp, split, shard_tokens, tok.eot) for split in ("train", "val")}
+        log.info(f"tokenizing {sum(sizes) / 1e6:.1f} MB with {tok.name}")
+        with tqdm(total=sum(sizes), desc=f"tokenizing ({tok.name})", unit="B", unit_scale=True,
+                  file=sys.stderr, disable=not progress) as bar:
+            for batch in _batches(sizes):
+                encoded = tok.encode_documents([docs[i].read_bytes() for i in batch])
+                for i, tokens in zip(batch, encoded):
+                    writers["val" if is_val[i] else "train"].add(tokens)
+                bar.update(sum(sizes[i] for i in batch))
+        for writer in writers.values():
+            writer.close()
+        meta = {**tok.describe(), "sha256": corpus_sha, "num_files": len(docs), "bytes": sum(sizes),
+                "source": source, **extra, "train_tokens": writers["train"].tokens,
+                "val_tokens": writers["val"].tokens, "format": "llm.c .bin v1"}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
 def data_root() -> Path:
     return Path(os.environ.get("BLUNB_DATA_DIR", Path.home() / ".cache" / "blunb" / "data"))
 
 
-def default_corpus_dir(files: list[Path] | None = None) -> Path:
-    files = stdlib_files() if files is None else files
-    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]
+def corpus_cache_dir(source: CorpusSource, settings: dict) -> Path:
+    """The cache folder of a named source, keyed by the Python version, the file list and the
+    prepare settings (tokenizer, shard size, ...)."""
+    listing = "\n".join(f"{p}:{p.stat().st_size}" for p in source.files)
+    key = hashlib.sha256(f"v{PREPARE_VERSION}\n{json.dumps(settings, sort_keys=True)}\n{listing}".encode())
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return data_root() / f"stdlib-py{ver}-{key}"
+    tokenizer = settings["tokenizer"]
+    suffix = "" if tokenizer == "byte" else "-" + tokenizer.replace(":", "")
+    return data_root() / f"{source.name}-py{ver}-{key.hexdigest()[:12]}{suffix}"
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on lock_path: independent runs or tests asking for the same cache folder
+    at once prepare it one at a time (the others then find it made)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare(source: str = "stdlib", tokenizer: str = "byte", out: str | Path | None = None, *,
+            shard_tokens: int = SHARD_TOKENS, bpe_sample_bytes: int = BPE_SAMPLE_BYTES, progress: bool = True) -> Path:
+    """Prepare `source` (see corpus_source) with `tokenizer` into `out` and return the folder.
+
+    Without `out`, a named source goes to its cache folder (corpus_cache_dir, keyed by these settings)
+    and is prepared only once; a folder source needs `out`.
+    """
+    kind, _ = _check_settings(tokenizer, shard_tokens, bpe_sample_bytes)
+    settings = {"tokenizer": tokenizer, "shard_tokens": shard_tokens}
+    if kind == "bpe":
+        settings["bpe_sample_bytes"] = bpe_sample_bytes
+    corpus = corpus_source(source)
+    if out is None and corpus.name not in NAMED_SOURCES:
+        raise DataError("--out is required with a folder --source")
+    folder = Path(out) if out is not None else corpus_cache_dir(corpus, settings)
+
+    def make():
+        log.info(f"preparing {corpus.description} ({len(corpus.files)} files, tokenizer {tokenizer}) into {folder}")
+        prepare_corpus(corpus.files, folder, progress=progress, source=corpus.description, dedupe=corpus.dedupe,
+                       **settings)
+
+    if out is not None:
+        make()
+        return folder
+    with _exclusive(folder.with_name(folder.name + ".lock")):
+        if not (folder / "meta.json").is_file():
+            if folder.exists():  # what an interrupted prepare left in our own cache folder
+                log.warning(f"replacing the unfinished corpus folder {folder}")
+                shutil.rmtree(folder)
+            make()
+    return folder
 
 
 def ensure_default_corpus(progress: bool = True) -> Path:
-    """Prepare the embedded corpus on first use; return its folder (cached afterwards)."""
-    files = stdlib_files()
-    out = default_corpus_dir(files)
-    if not (out / "meta.json").is_file():
-        log.info(f"preparing the default corpus ({len(files)} stdlib files) into {out}")
-        prepare_corpus(files, out, progress=progress, source=f"python {sys.version.split()[0]} stdlib")
-    return out
+    """The embedded corpus (stdlib, byte tokens), prepared on first use; return its folder (cached afterwards)."""
+    return prepare("stdlib", "byte", progress=progress)
 
 
 def corpus_meta(folder: str | Path) -> dict:
@@ -345,6 +570,24 @@ def corpus_meta(folder: str | Path) -> dict:
         return json.loads(meta_path.read_text())
     return {"tokenizer": "unknown (external shards)", "source": str(folder),
             "train_tokens": sum(read_header(p) for p in find_shards(folder, "train"))}
+
+
+def check_model_vocab(folder: str | Path, meta: dict, vocab_size: int) -> None:
+    """A ConfigError when the model cannot embed every id of the corpus's tokenizer (vocab_size too small)."""
+    n_ids = meta.get("vocab_size")
+    if isinstance(n_ids, int) and n_ids > vocab_size:
+        fit = padded_vocab_size(n_ids)
+        raise ConfigError(f"{folder} was tokenized with {meta.get('tokenizer')} ({n_ids} ids) but model.vocab_size "
+                          f"is {vocab_size}: set model.vocab_size={fit} (--set model.vocab_size={fit}; the "
+                          f"smallest multiple of 64 >= {n_ids})")
+
+
+def corpus_tokenizer(folder: str | Path):
+    """The tokenizer a prepared corpus was made with (encode / decode its shards)."""
+    try:
+        return load_tokenizer(corpus_meta(folder), Path(folder))
+    except TokenizerError as err:
+        raise DataError(str(err)) from None
 
 
 # ---------------------------------------------------------------- loader
@@ -473,32 +716,28 @@ def _fail(message: str) -> None:
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress lines on stderr
-    ap = argparse.ArgumentParser(prog="python -m blunb.data", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="blunb-data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize a corpus into train/val .bin shards")
-    p.add_argument("--src", help="folder of text files (*.txt, *.md, *.py); default: the stdlib corpus")
-    p.add_argument("--out", help="output folder (default: the cache folder of the default corpus)")
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val .bin shards",
+                       description="Tokenize a corpus into llm.c / modded-nanogpt .bin shards; prints its meta.json "
+                                   "and folder.")
+    p.add_argument("--source", "--src", default="stdlib",
+                   help="stdlib (default: this Python's standard library, 24 MB), site-packages (every .py of its "
+                        "site-packages, deduplicated), site-packages+headers (also the C/C++ headers there and in "
+                        "its include folder), or a folder of *.txt, *.md and *.py files")
+    p.add_argument("--tokenizer", default="byte",
+                   help=f"{TOKENIZER_CHOICES} (default byte; bpe trains on the corpus, gpt2 needs tiktoken's "
+                        f"files cached locally)")
+    p.add_argument("--out", help="output folder (default, for a named source: its cache folder under "
+                                 "$BLUNB_DATA_DIR, reused once made)")
+    p.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard (default {SHARD_TOKENS})")
+    p.add_argument("--bpe-sample-mb", type=int, default=BPE_SAMPLE_BYTES >> 20,
+                   help=f"bpe: train on at most this many MiB of the train split (default {BPE_SAMPLE_BYTES >> 20})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     try:
-        if args.src is None:
-            if args.out is None:
-                out = ensure_default_corpus()
-            else:
-                prepare_corpus(stdlib_files(), args.out, source="python stdlib")
-                out = Path(args.out)
-        else:
-            src = Path(args.src)
-            if not src.exists():
-                _fail(f"--src folder not found: {src}")
-            if not src.is_dir():
-                _fail(f"--src must be a folder of text files, but {src} is a file")
-            if args.out is None:
-                _fail("--out is required with --src")
-            files = sorted(p for ext in ("*.txt", "*.md", "*.py") for p in src.rglob(ext))
-            if not files:
-                _fail(f"no *.txt, *.md or *.py files under {src}")
-            prepare_corpus(files, args.out, source=str(src))
-            out = Path(args.out)
+        out = prepare(args.source, args.tokenizer, args.out, progress=not args.no_progress,
+                      shard_tokens=args.shard_tokens, bpe_sample_bytes=args.bpe_sample_mb << 20)
     except DataError as e:
         _fail(str(e))
     print(json.dumps(corpus_meta(out), indent=2))

@@ -2,9 +2,9 @@
 
 Validates the training arguments in the notebook's own process first (a config error is
 raised as ConfigError, once, before any rank starts), streams the ranks' output live
-(training prints on rank 0 only), picks a free rendezvous port, kills the whole process
-group on interrupt or error, and on failure raises LaunchError whose message starts with
-the root cause: the failing rank, its exit code and its own error line.
+(training prints on rank 0 only), leaves the rendezvous port to torchrun's standalone mode,
+kills the whole process group on interrupt or error, and on failure raises LaunchError whose
+message starts with the root cause: the failing rank, its exit code and its own error line.
 """
 
 from __future__ import annotations

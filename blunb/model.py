@@ -5,8 +5,9 @@ token embedding -> N x [RMSNorm -> wQ/wK/wV -> QK-norm + RoPE -> GQA causal atte
 
 Precision follows the seed: Linear weights bf16 on CUDA (fp32 on CPU), the residual
 stream, norms, embedding and logits fp32 unless one of the bf16_* flags moves that stage
-to bf16; the QK-norm + RoPE island always computes in fp32 (its gammas are fp32). Every
-non-matmul op goes through `blunb.kernels`, so the fused Triton kernels slot in there.
+to bf16 (the `all_bf16` override sets all three); the QK-norm + RoPE island always computes
+in fp32 (its gammas are fp32). Every non-matmul op goes through `blunb.kernels`, so the fused
+Triton kernels slot in there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from blunb import kernels
-from blunb.config import ModelConfig
+from blunb.config import BF16_STAGES, ModelConfig
 
 
 def _linear_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -132,11 +133,15 @@ class BLU(nn.Module):
             normal_(self.lm_head.weight, 0.02)
 
     def precision_layout(self) -> dict[str, str]:
-        """Which stage computes or stores in which dtype (recorded at the start of every run)."""
+        """Which stage computes or stores in which dtype (recorded at the start of every run), and
+        which of the per-stage flags are on ("all three (all_bf16)" when the whole set is)."""
         label = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        stages = [name.removeprefix("bf16_") for name in BF16_STAGES if getattr(self.cfg, name)]
         return {"linear_weights": label[self.linear_dtype], "output_projection": label[self.linear_dtype],
                 "residual_stream_and_norms": label[self.resid_dtype], "embedding": label[self.wte.weight.dtype],
-                "logits": label[self.logit_dtype], "qk_norm_rope": "fp32 (always)", "loss": "fp32"}
+                "logits": label[self.logit_dtype], "qk_norm_rope": "fp32 (always)", "loss": "fp32",
+                "bf16_stages": "all three (all_bf16)" if len(stages) == len(BF16_STAGES) else
+                ", ".join(stages) or "none"}
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

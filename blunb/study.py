@@ -122,9 +122,10 @@ class Study:
     """A grid of `arms` (name -> list of "key=value" overrides) x `seeds` on one preset.
 
     arm_seeds: per-arm seed lists that replace `seeds` for those arms (e.g. three seeds for an A/B's
-    two arms, one for side arms). steps: --max-steps (None: the preset's schedule). nproc: ranks per run. common: overrides every
-    arm gets before its own. root: the folder studies go in (default results_root()); the study's
-    own folder is root/name. max_parallel: runs at a time (default: see the module docstring).
+    two arms, one for side arms). steps: --max-steps (None: the preset's schedule). nproc: ranks per
+    run. common: overrides every arm gets before its own. root: the folder studies go in (default
+    results_root()); the study's own folder is root/name. max_parallel: runs at a time (default: see
+    the module docstring).
     runs_per_gpu: runs sharing one group of nproc GPUs (ignored on the CPU). env: extra environment
     for every run. allow_failures: warn instead of raising StudyError. progress: the tqdm bar / log lines.
     render_only: train nothing; raise StudyError naming every run that is not cached (e.g. to render
@@ -209,7 +210,8 @@ class Study:
                              f"'key=value' overrides, got {self.arms!r}")
         seeds = self._checked_seeds(self.seeds)
         if not isinstance(self.arm_seeds, dict):
-            raise ValueError(f"study {self.name!r}: arm_seeds must be a dict of arm name -> seeds, got {self.arm_seeds!r}")
+            raise ValueError(f"study {self.name!r}: arm_seeds must be a dict of arm name -> seeds, "
+                             f"got {self.arm_seeds!r}")
         if unknown := sorted(set(self.arm_seeds) - set(self.arms)):
             raise ValueError(f"study {self.name!r}: arm_seeds names arms that are not in arms: {unknown}")
         seeds_of = {arm: self._checked_seeds(s) for arm, s in self.arm_seeds.items()}
@@ -592,6 +594,21 @@ def curve_band(metrics_long: pd.DataFrame, metric: str = "val_loss", confidence:
     out = [{"arm": arm, "step": step, **mean_ci(group["value"], confidence)._asdict()}
            for (arm, step), group in rows.groupby(["arm", "step"], sort=True)]
     return pd.DataFrame(out, columns=["arm", "step", "mean", "low", "high", "n"])
+
+
+def first_crossing(metrics: pd.DataFrame, target: float, metric: str = "val_loss", x: str = "tokens") -> float:
+    """The value of column `x` where `metric` first falls to `target` or below, interpolated
+    linearly between the last point above and the first at or below (tokens to a target loss,
+    say); NaN when it never does. Rows without the metric (steps between validations) are skipped."""
+    rows = metrics[[x, metric]].dropna()
+    hit = (rows[metric] <= target).to_numpy()
+    if not hit.any():
+        return float("nan")
+    i = int(hit.argmax())
+    if i == 0:
+        return float(rows[x].iloc[0])
+    (x0, y0), (x1, y1) = rows.iloc[i - 1].to_numpy(), rows.iloc[i].to_numpy()
+    return float(x0 + (x1 - x0) * (y0 - target) / (y0 - y1))
 
 
 @dataclass

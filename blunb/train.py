@@ -49,6 +49,7 @@ from blunb.data import (
     DataError,
     ShardLoader,
     ValidationSet,
+    check_model_vocab,
     check_token_ids,
     corpus_meta,
     ensure_default_corpus,
@@ -144,10 +145,7 @@ def _resolve_data(cfg: TrainConfig, rank: int, world_size: int) -> tuple[Path, l
     def prepare_and_check():
         folder = ensure_default_corpus(progress=True) if cfg.data == "default" else Path(cfg.data)
         train_shards, val_shards = find_shards(folder, "train"), find_shards(folder, "val")
-        meta = corpus_meta(folder)
-        if meta.get("vocab_size", 0) > cfg.model.vocab_size:
-            raise ConfigError(f"the corpus tokenizer has {meta['vocab_size']} symbols but model.vocab_size is "
-                              f"{cfg.model.vocab_size}")
+        check_model_vocab(folder, corpus_meta(folder), cfg.model.vocab_size)
         check_token_ids(train_shards + val_shards, cfg.model.vocab_size)
         ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T)  # enough val tokens?
         return folder
@@ -276,9 +274,10 @@ def _init_distributed(cfg: TrainConfig, device: torch.device, world_size: int) -
 
 
 def _model_config(cfg: TrainConfig):
-    """The baseline a user would write keeps fp32 parameters (autocast does the bf16 compute)."""
-    if cfg.optimizer == "ddp_adamw" and cfg.model.linear_dtype == "auto":
-        return replace(cfg.model, linear_dtype="fp32")
+    """The baseline a user would write keeps fp32 parameters (autocast does the bf16 compute); the
+    no-master counter-example needs bf16 Linears on every device (auto is fp32 on the CPU)."""
+    if cfg.model.linear_dtype == "auto" and cfg.optimizer in ("ddp_adamw", "adamw_bf16_nomaster"):
+        return replace(cfg.model, linear_dtype="fp32" if cfg.optimizer == "ddp_adamw" else "bf16")
     return cfg.model
 
 
@@ -377,9 +376,9 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
 
 def _run_facts(cfg: TrainConfig, model: BLU, opt, device: torch.device) -> dict:
     """The start-of-run record (env.json "training"): precision layout, optimizer set, stage map."""
-    facts = {"precision": {**model.precision_layout(), "optimizer_masters": "fp32"
-                           if cfg.optimizer != "ddp_adamw" else "none (torch AdamW on the parameters)"},
-             "optimizer": opt.describe(),
+    described = opt.describe()
+    facts = {"precision": {**model.precision_layout(), "optimizer_masters": described["precision"]["masters"]},
+             "optimizer": described,
              "kernels": kernels.describe(device),
              "dt": "host wall-clock between step starts; no per-step device sync"}
     if cfg.overlap_refresh and cfg.optimizer != "ddp_adamw":
@@ -725,9 +724,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     ap.add_argument("--preset", default="tiny", help="tiny | 124m | 1b | seed-4b")
     ap.add_argument("--max-steps", type=int, help="steps to run; rescales the WSD schedule like BLU_MAX_STEPS")
     ap.add_argument("--run-dir", help="run folder (default: results/adhoc/<preset>-<time>)")
-    ap.add_argument("--optimizer", choices=["adamw", "muon", "ddp_adamw"],
+    ap.add_argument("--optimizer", choices=["adamw", "muon", "ddp_adamw", "adamw_bf16_nomaster"],
                     help="adamw: ZeRO-1 ShardedAdamW (default); muon: ShardedMuon body + ShardedAdamW rest; "
-                         "ddp_adamw: torch DDP + AdamW baseline")
+                         "ddp_adamw: torch DDP + AdamW baseline; adamw_bf16_nomaster: the precision study's "
+                         "counter-example (torch AdamW on bf16 parameters, no fp32 masters)")
     ap.add_argument("--data", help="folder of *train*.bin / *val*.bin shards (default: the embedded corpus)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override any TrainConfig / ModelConfig field (repeatable)")

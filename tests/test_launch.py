@@ -1,15 +1,21 @@
-"""blunb.launch: config errors before torchrun, and a failure report that starts with the root cause."""
+"""blunb.launch: config errors before torchrun, a failure report that starts with the root cause, an
+interrupt that leaves no process behind, and a two-node launch (c10d rendezvous) on one machine."""
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from torch.distributed import TCPStore
 
 import blunb.launch
 from blunb.config import ConfigError
-from blunb.launch import LaunchError, launch, launch_error, parse_failure
+from blunb.launch import LaunchError, launch, launch_error, parse_failure, torchrun_command
+from blunb.runs import load_run
+from tests.distributed import REPO
 
 # Captured from launch(["--preset", "tiny", "--max-steps", "3", "--set", "max_lr=1e30", "--set", "grad_clip=0",
 # "--set", "max_consecutive_skips=1"], nproc=2) (paths shortened, the MFU banner cut). Both ranks stop with a
@@ -174,6 +180,16 @@ def test_parse_failure_takes_the_root_cause_ranks_final_exception():
     assert (f.rank, f.exit_code, f.error_line) == (1, 1, "RuntimeError: boom on rank 1")
 
 
+def test_torchrun_binds_its_own_port():
+    # No port probed here and handed on (that raced with other processes between probe and bind):
+    # --standalone's rendezvous and the ranks' store both bind port 0, the OS picks.
+    cmd = torchrun_command(["-m", "blunb.train"], 2)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert not any(a.startswith(("--master", "--rdzv")) for a in cmd)
+    with pytest.raises(ValueError, match="nproc must be >= 1"):
+        torchrun_command(["x.py"], 0)
+
+
 def test_failure_without_any_torchrun_output_still_reports():
     err = launch_error(["python", "-m", "torch.distributed.run"], [], returncode=-9)
     assert (err.rank, err.exit_code, err.error_line, err.output) == (None, -9, None, [])
@@ -221,3 +237,122 @@ def test_real_two_rank_failure_reports_the_error_line_first(tmp_path):
     assert err.rank in (0, 1) and err.exit_code != 0
     assert str(err).splitlines()[0].endswith(ERROR)
     assert any(line.startswith("step      1 |") for line in err.output)
+
+
+# ---------------------------------------------------------------- real launches: interrupt, two nodes
+
+def _train_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every live, non-zombie process (Linux /proc)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except (OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if entry.isdigit() and fields[0] != "Z":
+            table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of pid: {pid: start time} (the start time tells a reused pid apart)."""
+    table, found, frontier = _process_table(), {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, start) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = start
+                frontier.append(child)
+    return found
+
+
+def _survivors(tree: dict[int, str]) -> list[int]:
+    """The processes of `tree` still running (the same pid with the same start time)."""
+    return [pid for pid, (_, start) in _process_table().items() if tree.get(pid) == start]
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc is None or proc.poll() is None, f"exited early ({proc.returncode}) while waiting: {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting: {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks the process tree through /proc")
+def test_an_interrupted_launch_leaves_no_process_behind(tmp_path):
+    """A notebook interrupt is SIGINT to the kernel alone: launch() must take torchrun and every rank down."""
+    run_dir = tmp_path / "run"
+    code = ("from blunb.launch import launch\n"
+            f"launch(['--preset', 'tiny', '--max-steps', '100000', '--run-dir', {str(run_dir)!r}], nproc=2)")
+    with open(tmp_path / "out.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=_train_env(),
+                                cwd=REPO, start_new_session=True)
+    tree: dict[int, str] = {}
+    try:
+        metrics = run_dir / "metrics.csv"
+        _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > 2, 300, "step 1", proc)
+        tree = _descendants(proc.pid)  # torchrun and its two ranks
+        assert len(tree) >= 3, tree
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        _wait_for(lambda: not _survivors(tree), 60, "torchrun and its ranks to exit")
+    finally:  # a failed test still leaves nothing running
+        for pid in [proc.pid] * (proc.poll() is None) + _survivors(tree):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in (tmp_path / "out.log").read_text()
+
+
+def _run_launchers(commands: dict[str, list[str]], tmp_path, timeout: float = 900) -> None:
+    """Start every command at once (each in its own process group), wait for all; on any failure or
+    timeout kill them all and fail with each one's output tail."""
+    procs, logs = {}, {name: tmp_path / f"{name}.log" for name in commands}
+    try:
+        for name, cmd in commands.items():
+            with open(logs[name], "w") as out:
+                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_train_env(), cwd=REPO,
+                                               start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs.values()]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break  # all done, or one failed: the others would wait for it in vain
+            time.sleep(0.5)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    report = {name: (p.returncode, logs[name].read_text()[-4000:]) for name, p in procs.items()}
+    assert all(rc == 0 for rc, _ in report.values()), "\n".join(f"--- {n} (exit {rc}):\n{tail}"
+                                                               for n, (rc, tail) in report.items())
+
+
+@pytest.mark.slow
+def test_two_local_nodes_train_exactly_like_one_launcher_with_two_ranks(tmp_path):
+    """Two torchrun launchers (--nnodes=2, one rank each) meeting at one c10d rendezvous endpoint on
+    localhost give the same losses, bit for bit, as one launcher with two ranks."""
+    train = ["-m", "blunb.train", "--preset", "tiny", "--max-steps", "6"]
+    _run_launchers({"single": torchrun_command([*train, "--run-dir", str(tmp_path / "single")], 2)}, tmp_path)
+    # The rendezvous endpoint: a store bound to a port the OS picked (no probe-then-bind race), so both
+    # launchers join it as clients (is_host=0); node 0 of a real job hosts it itself.
+    endpoint = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{endpoint.port}", f"--rdzv_id=blunb-{os.getpid()}",
+            "--rdzv_conf=is_host=0", "--local_addr=127.0.0.1", *train, "--run-dir", str(tmp_path / "nodes")]
+    _run_launchers({"node0": node, "node1": node}, tmp_path)
+    single, nodes = load_run(tmp_path / "single"), load_run(tmp_path / "nodes")
+    assert nodes.env["world_size"] == single.env["world_size"] == 2
+    assert nodes.metrics["train_loss"].tolist() == single.metrics["train_loss"].tolist()
+    assert len(nodes.metrics) == 6 and nodes.metrics["val_loss"].dropna().tolist() == \
+        single.metrics["val_loss"].dropna().tolist()

@@ -20,6 +20,7 @@ from blunb.study import (
     Study,
     StudyError,
     _slots,
+    first_crossing,
     matched_step_difference,
     mean_ci,
     run_study,
@@ -161,6 +162,13 @@ def test_mean_ci_edge_cases():
 
 def _long(arm, seed, values, metric="val_loss"):
     return [{"arm": arm, "seed": seed, "step": s, "metric": metric, "value": v} for s, v in values.items()]
+
+
+def test_first_crossing_interpolates_and_says_never():
+    m = pd.DataFrame({"tokens": [0, 10, 20, 30, 40], "val_loss": [5.0, None, 3.0, None, 1.0]})
+    assert first_crossing(m, 2.0) == pytest.approx(30.0)   # between (20, 3.0) and (40, 1.0)
+    assert first_crossing(m, 5.0) == 0.0 and first_crossing(m, 3.0) == 20.0
+    assert math.isnan(first_crossing(m, 0.5))
 
 
 def test_matched_step_difference_on_hand_made_numbers():

@@ -8,6 +8,9 @@
 - "ddp_adamw": what a user would write without blunb: fp32 parameters, autocast bf16 on CUDA,
   torch DDP, fused torch AdamW, torch's global clip_grad_norm_. The reference the ZeRO arms
   are measured against.
+- "adamw_bf16_nomaster": THE COUNTER-EXAMPLE, for the precision study only: the same torch
+  AdamW stepping the model's bf16 parameters in place (bf16 moments, no fp32 master), which the
+  seed refuses to ship: its (1 - lr*wd) decay and small updates round away on bf16's grid.
 
 Clipping and skipping follow blunb.optim.clip.prepare_group_step (per group, or one global
 coefficient; nan_policy "step" or "group"). Muon's orthogonalized matrices are never clipped.
@@ -26,16 +29,20 @@ The interface every optimizer set implements (the training loop uses nothing els
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from blunb.config import TrainConfig
 from blunb.optim.clip import prepare_group_step
 from blunb.optim.schedule import wsd_lr
+
+log = logging.getLogger(__name__)
 
 _DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -106,6 +113,8 @@ class DDPAdamW:
     params, torch.nn.utils.clip_grad_norm_ over all parameters. Sync-free: a non-finite norm
     skips the fused update through its found_inf argument instead of a host check."""
 
+    masters = "none (fp32 params)"
+
     def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
         self.cfg = cfg
         self.device = device
@@ -125,11 +134,14 @@ class DDPAdamW:
         self.world_size = world_size
         self._decayed = sum(p.numel() for p in decay)
 
+    def _compute(self) -> str:
+        return "autocast bf16" if self.autocast else "fp32"
+
     def describe(self) -> dict:
         total = sum(p.numel() for p in self.params)
         return {"label": self.label, "world_size": self.world_size,
                 "precision": {"parameters": sorted({_DTYPE_LABEL.get(p.dtype, str(p.dtype)) for p in self.params}),
-                              "compute": "autocast bf16" if self.autocast else "fp32", "masters": "none (fp32 params)"},
+                              "compute": self._compute(), "masters": self.masters},
                 "groups": [{"name": "adamw", "params": total, "lr_max": self.cfg.max_lr, "lr_min": self.cfg.min_lr}],
                 "clip": {"max_norm": self.cfg.grad_clip, "mode": "torch clip_grad_norm_ (global)",
                          "covered_params": total, "total_params": total},
@@ -161,6 +173,35 @@ class DDPAdamW:
 
     def drain(self) -> None:
         pass
+
+
+class NoMasterAdamW(DDPAdamW):
+    """The precision study's counter-example: DDPAdamW's torch AdamW (same groups, clip and skip)
+    stepping the model's parameters as they are, so its bf16 Linears are updated in bf16 with bf16
+    moments and no fp32 master. No autocast: the model's own precision layout does the casts."""
+
+    masters = "NONE: counter-example, bf16 parameters and moments updated in place by torch AdamW"
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
+        super().__init__(model, cfg, device, world_size)
+        self.autocast = False
+        self.label = "COUNTER-EXAMPLE: torch AdamW on bf16 parameters, no fp32 masters"
+        bf16 = sum(p.numel() for p in self.params if p.dtype == torch.bfloat16)
+        self.bf16_fraction = bf16 / max(sum(p.numel() for p in self.params), 1)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning(f"optimizer=adamw_bf16_nomaster is the precision study's COUNTER-EXAMPLE, not a training "
+                        f"setup: {100 * self.bf16_fraction:.1f}% of the parameters are bf16 and have no fp32 master, "
+                        "so updates below half a bf16 step (the whole weight decay among them) are rounded away")
+
+    def _compute(self) -> str:
+        return "the model's precision layout (no autocast)"
+
+    def describe(self) -> dict:
+        facts = super().describe()
+        facts["counter_example"] = {"bf16_param_fraction": self.bf16_fraction,
+                                    "why": "no fp32 master: w*(1-lr*wd) and updates below half a bf16 ulp round "
+                                           "to w"}
+        return facts
 
 
 class ZeroOptimizers:
@@ -267,4 +308,6 @@ def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, w
     """The optimizer set for cfg.optimizer (cfg.validate has rejected impossible combinations)."""
     if cfg.optimizer == "ddp_adamw":
         return DDPAdamW(model, cfg, device, world_size)
+    if cfg.optimizer == "adamw_bf16_nomaster":
+        return NoMasterAdamW(model, cfg, device, world_size)
     return ZeroOptimizers(model, cfg, device, world_size)

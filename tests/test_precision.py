@@ -1,0 +1,186 @@
+"""The precision study's switches and instruments: all_bf16, the no-master counter-example, and the
+arithmetic behind the seed's precision claims (blunb.precision)."""
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from blunb.config import BF16_STAGES, ConfigError, apply_overrides, preset
+from blunb.model import BLU
+from blunb.optim.build import NoMasterAdamW, build_optimizers
+from blunb.precision import (
+    bf16_ulp,
+    decay_moved_fraction,
+    decay_only,
+    logits_memory,
+    loss_dtype_sweep,
+    loss_readings,
+    representable_in_bf16,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Shared cores: torch's intra-op threads would only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- the all-bf16 switch
+
+
+@pytest.mark.parametrize("key", ["all_bf16", "model.all_bf16"])
+def test_all_bf16_sets_exactly_the_three_stage_flags(key):
+    cfg = apply_overrides(preset("tiny"), [f"{key}=true"])
+    assert all(getattr(cfg.model, name) for name in BF16_STAGES)
+    untouched = {k: v for k, v in vars(cfg.model).items() if k not in BF16_STAGES}
+    assert untouched == {k: v for k, v in vars(preset("tiny").model).items() if k not in BF16_STAGES}
+    assert {k: v for k, v in vars(cfg).items() if k != "model"} == \
+        {k: v for k, v in vars(preset("tiny")).items() if k != "model"}
+    assert "all_bf16" not in cfg.to_dict()["model"]  # the three flags are the record
+    assert not any(getattr(apply_overrides(cfg, [f"{key}=false"]).model, n) for n in BF16_STAGES)
+
+
+def test_a_later_per_stage_override_wins_as_the_seeds_knobs_do():
+    cfg = apply_overrides(preset("tiny"), ["all_bf16=1", "bf16_embed=0"])  # BLU_ALL_BF16=1 BLU_BF16_EMBED=0
+    assert (cfg.model.bf16_resid, cfg.model.bf16_logits, cfg.model.bf16_embed) == (True, True, False)
+    with pytest.raises(ConfigError, match="override 'all_bf16=maybe': expected a boolean"):
+        apply_overrides(preset("tiny"), ["all_bf16=maybe"])
+
+
+def test_all_bf16_layout_moves_the_three_stages_and_nothing_else():
+    base = BLU(preset("tiny").model, seed=0).precision_layout()
+    layout = BLU(apply_overrides(preset("tiny"), ["all_bf16=true"]).model, seed=0).precision_layout()
+    moved = {k for k in base if base[k] != layout[k]}
+    assert moved == {"residual_stream_and_norms", "embedding", "logits", "bf16_stages"}
+    assert all(layout[k] == "bf16" for k in moved - {"bf16_stages"})
+    assert (base["bf16_stages"], layout["bf16_stages"]) == ("none", "all three (all_bf16)")
+    assert layout["qk_norm_rope"] == "fp32 (always)" and layout["loss"] == "fp32"
+    one = BLU(apply_overrides(preset("tiny"), ["bf16_logits=true"]).model, seed=0).precision_layout()
+    assert one["bf16_stages"] == "logits"
+
+
+# ---------------------------------------------------------------- the counter-example optimizer
+
+
+def test_counter_example_rejects_zero_switches_and_all_fp32_parameters():
+    with pytest.raises(ConfigError, match="optimizer=adamw_bf16_nomaster would ignore .*global_clip=True"):
+        apply_overrides(preset("tiny"), ["optimizer=adamw_bf16_nomaster", "global_clip=true"]).validate()
+    with pytest.raises(ConfigError, match="leaves every parameter fp32"):
+        apply_overrides(preset("tiny"), ["optimizer=adamw_bf16_nomaster", "linear_dtype=fp32"]).validate()
+    nomaster = ["optimizer=adamw_bf16_nomaster"]
+    apply_overrides(preset("tiny"), [*nomaster, "linear_dtype=fp32", "bf16_embed=true"]).validate()
+    apply_overrides(preset("tiny"), nomaster).validate()  # auto: bf16 Linears everywhere
+
+
+def test_counter_example_trains_with_bf16_parameters_and_no_fp32_copy(caplog):
+    torch.manual_seed(0)
+    cfg = apply_overrides(preset("tiny"), ["optimizer=adamw_bf16_nomaster", "linear_dtype=bf16", "max_lr=1e-2"])
+    model = BLU(cfg.model, seed=0)
+    with caplog.at_level(logging.WARNING, logger="blunb"):
+        opt = build_optimizers(model, cfg, torch.device("cpu"), world_size=1)
+    assert isinstance(opt, NoMasterAdamW) and "COUNTER-EXAMPLE" in caplog.text
+    facts = opt.describe()
+    assert facts["label"].startswith("COUNTER-EXAMPLE") and facts["precision"]["masters"].startswith("NONE")
+    assert facts["counter_example"]["bf16_param_fraction"] > 0.9
+    wq = model.blocks[0].attn.wq.weight
+    before = wq.detach().clone()
+    x = torch.randint(0, cfg.model.vocab_size, (4, 32))
+    losses = []
+    for step in range(8):
+        opt.set_lr(step)
+        with opt.micro_step(last=True):
+            _, loss = opt.forward_model(x, x)
+            loss.backward()
+        stats = opt.step()
+        losses.append(loss.item())
+        assert not bool(stats.skipped.any())
+    assert losses[-1] < losses[0] - 0.5  # it learns (one batch, memorized)
+    assert wq.dtype == torch.bfloat16 and not torch.equal(wq, before)
+    bf16_params = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    assert len(bf16_params) == 6 * cfg.model.n_layers  # every Linear of every block
+    for p in bf16_params:  # torch AdamW's state is all there is: bf16 moments, no fp32 master anywhere
+        state = opt.opt.state[p]
+        assert {k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape} == {"exp_avg", "exp_avg_sq"}
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+
+
+def test_counter_example_run_folder_says_what_it_is(tmp_path):
+    from blunb.data import write_shard
+    from blunb.train import train
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
+    for name in ("train_000.bin", "val_000.bin"):
+        write_shard(tmp_path / "data" / name, rng.integers(0, 257, 40000))
+    cfg = apply_overrides(preset("tiny"), ["optimizer=adamw_bf16_nomaster", f"data={tmp_path / 'data'}",
+                                           "global_batch=1024", "val_tokens=1024"])
+    cfg.rescale_schedule(3)
+    train(cfg, tmp_path / "run")
+    env = json.loads((tmp_path / "run" / "env.json").read_text())
+    assert env["training"]["precision"]["linear_weights"] == "bf16"  # auto means bf16 here, CPU too
+    assert env["training"]["precision"]["optimizer_masters"].startswith("NONE: counter-example")
+    assert env["training"]["optimizer"]["label"].startswith("COUNTER-EXAMPLE")
+    assert "COUNTER-EXAMPLE" in (tmp_path / "run" / "log.txt").read_text()
+
+
+# ---------------------------------------------------------------- blunb.precision
+
+
+def test_bf16_grid():
+    assert bf16_ulp(10.8) == 0.0625 == 2.0 ** -4  # [8, 16)
+    assert bf16_ulp(1.0) == 2.0 ** -7 and bf16_ulp(0.99) == 2.0 ** -8 and bf16_ulp(-3.0) == 2.0 ** -6
+    assert representable_in_bf16([10.8125, 1.0, 0.0]).all() and not representable_in_bf16([10.8]).any()
+    with pytest.raises(ValueError):
+        bf16_ulp(0.0)
+
+
+def test_bf16_loss_near_10_8_lies_on_the_0_0625_grid_and_fp32_does_not():
+    sweep = loss_dtype_sweep(points=41)
+    assert sweep["fp32"].between(10.3, 10.9).all() and sweep["fp32"].is_monotonic_decreasing
+    steps = sweep["seed_bf16"] / 0.0625
+    assert np.array_equal(steps, np.round(steps))  # every bf16 reading is a multiple of 0.0625
+    assert sweep["seed_bf16"].nunique() <= 10 and sweep["fp32"].nunique() == len(sweep)
+    assert not representable_in_bf16(sweep["fp32"]).any()
+    assert (sweep["seed_bf16"] - sweep["fp32"]).abs().max() <= 0.0625 / 2 + 1e-3  # the same loss, rounded
+    logits = torch.randn(16, 320).to(torch.bfloat16)
+    targets = torch.randint(0, 320, (16,))
+    readings = loss_readings(logits, targets)
+    exact = torch.nn.functional.cross_entropy(logits.float(), targets).item()
+    assert readings.fp32 == pytest.approx(exact, rel=1e-6) and representable_in_bf16([readings.seed_bf16])[0]
+
+
+def test_decay_alone_rounds_away_without_a_master():
+    one = torch.ones(1000, dtype=torch.bfloat16)
+    assert decay_moved_fraction(one, lr=6e-4, weight_decay=0.1) == 0.0  # the seed's 1 - 6e-5
+    assert decay_moved_fraction(one, lr=0.1, weight_decay=0.1) == 1.0  # 1 - 1e-2 crosses a grid step
+    weights = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    assert decay_moved_fraction(weights, lr=6e-4, weight_decay=0.1) == 0.0  # at any magnitude
+    with pytest.raises(ValueError, match="bf16"):
+        decay_moved_fraction(weights.float(), 6e-4, 0.1)
+    run = decay_only(weights, [6e-4] * 300, weight_decay=0.1)
+    assert list(run.columns) == ["step", "lr", "moved_no_master", "moved_master", "shrink_no_master",
+                                 "shrink_master", "shrink_exact"]
+    assert (run["moved_no_master"] == 0).all() and (run["shrink_no_master"] == 1.0).all()
+    assert run["moved_master"].sum() > 0.5  # the master accumulates; its bf16 copy steps now and then
+    exact = (1 - 6e-5) ** 300
+    assert run["shrink_exact"].iloc[-1] == pytest.approx(exact, rel=1e-12)
+    assert run["shrink_master"].iloc[-1] == pytest.approx(exact, abs=2e-3)
+
+
+def test_logits_memory_is_the_seeds_formula():
+    mem = logits_memory(preset("124m"))  # B16 x T1024 = 16384 rows, the seed's B*T
+    assert (mem.tokens, mem.vocab_size) == (16384, 50304)
+    assert mem.fp32_bytes == 2 * 16384 * 50304 * 4 and round(mem.fp32_bytes / 2 / 1e9, 2) == 3.30
+    assert mem.saved_bytes == 16384 * 50304 * 4 and mem.bf16_bytes == mem.fp32_bytes // 2
+    assert round(mem.saved_bytes / 2**30, 2) == 3.07  # the seed's "frees ~3 GiB"
+    tiny = preset("tiny")
+    assert logits_memory(tiny).fp32_bytes == 2 * tiny.B * tiny.T * tiny.model.vocab_size * 4
+    assert math.isclose(logits_memory(apply_overrides(preset("tiny"), ["B=4"])).saved_bytes * 2,
+                        logits_memory(tiny).saved_bytes)
