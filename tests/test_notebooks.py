@@ -26,7 +26,9 @@ PRODUCTS = {"00_quickstart.ipynb": ("quickstart", ["summary.csv", "curves.png", 
             "11_precision.ipynb": ("precision", ["summary.csv", "metrics_long.csv", "claims.csv", "loss_curves.png",
                                                  "cost.png", "loss_dtype.png", "master_weights.png"]),
             "12_overlap.ipynb": ("overlap", ["equivalence.csv", "layouts.csv", "predictions.csv", "claims.csv",
-                                             "timelines.png", "exposed.png"])}
+                                             "timelines.png", "exposed.png"]),
+            "13_muon_vs_adamw.ipynb": ("muon_vs_adamw", ["summary.csv", "metrics_long.csv", "claims.csv",
+                                                         "val_loss_tokens_time.png"])}
 # A cell draws a figure when it calls one of blunb.plots' functions or makes a pyplot figure.
 _PLOT_FUNCTIONS = "|".join(name for name in dir(plots) if name.startswith("plot_"))
 DRAWS = re.compile(rf"\b({_PLOT_FUNCTIONS})\(|\bplt\.(subplots|figure|subplot_mosaic)\(")
