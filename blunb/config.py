@@ -159,6 +159,7 @@ class TrainConfig:
     data: str = "default"           # "default" (embedded corpus) or a folder of .bin shards
     device: str = "auto"            # "auto" | "cpu" | "cuda"
     kernels: str = "auto"           # "auto" | "torch" | "triton"
+    compile: bool = False           # torch.compile the model (forward + backward); the optimizers stay eager
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
     ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
     ckpt_keep: int = 2              # the newest this many valid checkpoints are kept
@@ -198,6 +199,8 @@ class TrainConfig:
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be true or false, got {self.compile!r}")
         _check_lr_pair("max_lr", self.max_lr, "min_lr", self.min_lr)
         _check_lr_pair("muon_lr", self.muon_lr, "muon_min_lr", self.muon_min_lr)
         for name in ("weight_decay", "muon_weight_decay", "grad_clip"):  # grad_clip 0 = off

@@ -311,6 +311,11 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
     val_set = ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T, rank, world_size)
 
     model = BLU(_model_config(cfg), device=device, seed=cfg.seed)
+    if cfg.compile:
+        # In place (nn.Module.compile): the model's forward is compiled and, through AOT autograd, its
+        # backward, with the fused kernels as opaque custom ops; parameter names, hooks, DDP and
+        # checkpoints see the same module. The optimizers' steps stay eager.
+        model.compile()
     diag = None
     if cfg.diag:  # before the optimizers: its gradient hooks must see the gradients before they are reduced
         from blunb.diag import Diagnostics
@@ -613,6 +618,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
     device = _pick_device(cfg, local_rank)
     if cfg.kernels != "auto":
         os.environ["BLUNB_KERNELS"] = cfg.kernels
+    if cfg.kernels == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("kernels=triton on the CPU runs only under the Triton interpreter: set TRITON_INTERPRET=1")
     _init_distributed(cfg, device, world_size)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_killed) \
         if threading.current_thread() is threading.main_thread() else None

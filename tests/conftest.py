@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 # The test modules that run the fused kernels, so need the triton package. triton has no wheels for
 # macOS or Windows (blunb's dev extra installs it only on Linux x86_64): there they skip, saying why.
-TRITON_MODULES = {"test_fused_kernels.py", "test_flash_attention.py", "test_flash_attention_gpu.py", "test_syrk.py"}
+TRITON_MODULES = {"test_fused_kernels.py", "test_flash_attention.py", "test_flash_attention_gpu.py", "test_syrk.py",
+                  "test_compile.py"}
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

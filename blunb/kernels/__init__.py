@@ -6,6 +6,13 @@ shape), else the torch reference. `BLUNB_KERNELS=torch|triton` forces one for A/
 The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
 exposing a function named like the op. On a machine without CUDA, Triton kernels
 run under the interpreter (TRITON_INTERPRET=1, set here before Triton is imported).
+
+Each fused op's forward and backward are `torch.library` custom ops (`torch.ops.blunb.<op>_fwd`,
+`<op>_bwd`) with fake implementations, tied together by `register_autograd`: torch.compile sees
+each as one opaque node with known output shapes, dtypes and strides, so it traces the model
+around them without graph breaks and never into Triton's launch code. Eager calls run the same
+kernels as before (the numbers are bit-identical); the custom-op dispatch costs some
+microseconds of host time per call, hidden behind the GPU's queue at training sizes.
 """
 
 from __future__ import annotations
@@ -21,18 +28,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BACKENDS = (None, "torch", "triton")
-_fused_modules: dict[str, object] = {}
+OPS = ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "syrk")
+
+
+def _import_fused(op: str):
+    try:
+        return importlib.import_module(f"blunb.kernels.fused.{op}")
+    except ModuleNotFoundError as err:
+        if err.name not in (f"blunb.kernels.fused.{op}", "triton"):
+            raise
+        return None
+
+
+# Imported now, not on first use: torch.compile cannot trace an import (each op's first call
+# under compile would break the graph), and the custom ops must be registered before tracing.
+_fused_modules = {op: _import_fused(op) for op in OPS}
 
 
 def _fused(op: str):
-    """The fused module of `op`, or None when it has no Triton kernel (yet)."""
-    if op not in _fused_modules:
-        try:
-            _fused_modules[op] = importlib.import_module(f"blunb.kernels.fused.{op}")
-        except ModuleNotFoundError as err:
-            if err.name not in (f"blunb.kernels.fused.{op}", "triton"):
-                raise
-            _fused_modules[op] = None
+    """The fused module of `op`, or None when it has no Triton kernel (or triton is missing)."""
     return _fused_modules[op]
 
 
@@ -90,7 +104,7 @@ def describe(device) -> dict[str, str]:
     triton-or-torch where the fused module decides per shape (its `prefer`)."""
     forced = os.environ.get("BLUNB_KERNELS")
     out = {}
-    for op in ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "syrk"):
+    for op in OPS:
         mod = _fused(op)
         if forced:
             out[op] = forced if (forced == "torch" or mod is not None) else "torch (no triton kernel)"

@@ -75,36 +75,65 @@ def _scale_inplace(x_ptr, s_ptr, numel, BLOCK: tl.constexpr):
             start += step
 
 
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, ignore_index, has_grad):
-        if logits.dim() != 2:
-            raise ValueError(f"cross_entropy expects logits [N, V], got {tuple(logits.shape)}")
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        N, V = logits.shape
-        targets = targets.contiguous()
-        n_valid = (targets != ignore_index).sum()
-        loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if has_grad else loss_rows
-        if N:
-            _ce_fwd[(N,)](logits, targets, loss_rows, grad, n_valid, logits.stride(0), grad.stride(0), ignore_index,
-                          V=V, HAS_GRAD=has_grad)
-        if has_grad:
-            ctx.save_for_backward(grad)
-        return loss_rows.sum() / n_valid.clamp(min=1)
+# Custom ops with fake implementations and autograd (why: blunb/kernels/__init__.py). The forward
+# returns the gradient buffer as a second, non-differentiable output only so autograd can save it:
+# it belongs to autograd (backward scales it in place), so callers drop it, as cross_entropy() does.
+@torch.library.custom_op("blunb::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                      has_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, d loss / d logits as a contiguous [N, V] when has_grad, else an empty tensor)."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    N, V = logits.shape
+    targets = targets.contiguous()
+    n_valid = (targets != ignore_index).sum()
+    loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if has_grad else logits.new_empty(0)
+    grad_out = grad if has_grad else loss_rows  # without HAS_GRAD the kernel only needs a valid pointer
+    if N:
+        _ce_fwd[(N,)](logits, targets, loss_rows, grad_out, n_valid, logits.stride(0), grad_out.stride(0),
+                      ignore_index, V=V, HAS_GRAD=has_grad)
+    return loss_rows.sum() / n_valid.clamp(min=1), grad
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors
-        block = 4096 if grad.is_cuda else 1024
-        n_prog = max(1, min(triton.cdiv(grad.numel(), block), 8 * num_sms(grad.device)))
-        _scale_inplace[(n_prog,)](grad, grad_loss.reshape(1), grad.numel(), BLOCK=block, num_warps=8)
-        return grad, None, None, None
+
+@cross_entropy_fwd.register_fake
+def _(logits, targets, ignore_index, has_grad):
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if has_grad else logits.new_empty(0)
+    return logits.new_empty((), dtype=torch.float32), grad
+
+
+@torch.library.custom_op("blunb::cross_entropy_scale_grad_", mutates_args=("grad",))
+def cross_entropy_scale_grad_(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """grad *= grad_loss in place (a no-op pass when grad_loss is 1.0), read on the device: no sync."""
+    block = 4096 if grad.is_cuda else 1024
+    n_prog = max(1, min(triton.cdiv(grad.numel(), block), 8 * num_sms(grad.device)))
+    _scale_inplace[(n_prog,)](grad, grad_loss.reshape(1), grad.numel(), BLOCK=block, num_warps=8)
+
+
+@cross_entropy_scale_grad_.register_fake
+def _(grad, grad_loss):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    grad = output[1]
+    ctx.save_for_backward(grad)
+    ctx.mark_non_differentiable(grad)
+    ctx.set_materialize_grads(False)  # the buffer gets no gradient: no [N, V] zeros are made for it
+
+
+def _backward(ctx, grad_loss, _):
+    (grad,) = ctx.saved_tensors
+    cross_entropy_scale_grad_(grad, grad_loss)
+    return grad, None, None, None
+
+
+cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    # decided here: inside forward() grad mode is always off and needs_input_grad ignores no_grad()
+    if logits.dim() != 2:
+        raise ValueError(f"cross_entropy expects logits [N, V], got {tuple(logits.shape)}")
+    # decided here: inside the op grad mode is off, and the eval pass skips making the gradient
     has_grad = logits.requires_grad and torch.is_grad_enabled()
-    return _CrossEntropy.apply(logits, targets, ignore_index, has_grad)
+    return cross_entropy_fwd(logits, targets, ignore_index, has_grad)[0]

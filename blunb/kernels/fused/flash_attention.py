@@ -387,53 +387,87 @@ def _device_guard(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal):
-        B, Hq, T, hd = q.shape
-        Hkv = k.shape[1]
-        sm_scale = hd**-0.5
-        # [B,T,Hq,hd] storage, returned as the [B,Hq,T,hd] view (see module docstring).
-        o = torch.empty(B, T, Hq, hd, dtype=q.dtype, device=q.device).transpose(1, 2)
-        lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-        with _device_guard(q):
-            _fwd_kernel[lambda meta: (B * Hq, triton.cdiv(T, meta["BLOCK_M"]))](
-                q, k, v, o, lse, sm_scale * LOG2E,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                Hq, T,
-                GROUP=Hq // Hkv, HEAD_DIM=hd, CAUSAL=bool(causal), DOT_PREC=_dot_precision(q.dtype),
-                INTERPRET=INTERPRET)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = bool(causal)
-        return o
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """[B,T,Hq,hd] storage, returned as the [B,Hq,T,hd] view (see module docstring)."""
+    B, Hq, T, hd = q.shape
+    return q.new_empty((B, T, Hq, hd)).transpose(1, 2)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        do = _unit_last(do)
-        B, Hq, T, hd = q.shape
-        Hkv = k.shape[1]
-        sm_scale = hd**-0.5
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        delta = torch.empty_like(lse)
-        with _device_guard(q):
-            _bwd_preprocess[(triton.cdiv(T, 64), B * Hq)](
-                o, do, delta, *o.stride()[:3], *do.stride()[:3], Hq, T, HEAD_DIM=hd, BLOCK_M=64)
-            _bwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK"]), B * Hkv)](
-                q, k, v, do, dq, dk, dv, lse, delta, sm_scale * LOG2E, sm_scale,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-                *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                Hq, Hkv, T,
-                GROUP=Hq // Hkv, HEAD_DIM=hd, CAUSAL=ctx.causal, DOT_PREC=_dot_precision(q.dtype),
-                INTERPRET=INTERPRET)
-        return dq, dk, dv, None
+
+# Custom ops with fake implementations and autograd (why: blunb/kernels/__init__.py).
+@torch.library.custom_op("blunb::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse): o as _output_like(q), lse [B,Hq,T] fp32 in the log2 domain."""
+    B, Hq, T, hd = q.shape
+    Hkv = k.shape[1]
+    sm_scale = hd**-0.5
+    o = _output_like(q)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    with _device_guard(q):
+        _fwd_kernel[lambda meta: (B * Hq, triton.cdiv(T, meta["BLOCK_M"]))](
+            q, k, v, o, lse, sm_scale * LOG2E,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            Hq, T,
+            GROUP=Hq // Hkv, HEAD_DIM=hd, CAUSAL=bool(causal), DOT_PREC=_dot_precision(q.dtype),
+            INTERPRET=INTERPRET)
+    return o, lse
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, causal):
+    return _output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("blunb::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), each with the strides of q, k, v."""
+    do = _unit_last(do)
+    B, Hq, T, hd = q.shape
+    Hkv = k.shape[1]
+    sm_scale = hd**-0.5
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    with _device_guard(q):
+        _bwd_preprocess[(triton.cdiv(T, 64), B * Hq)](
+            o, do, delta, *o.stride()[:3], *do.stride()[:3], Hq, T, HEAD_DIM=hd, BLOCK_M=64)
+        _bwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK"]), B * Hkv)](
+            q, k, v, do, dq, dk, dv, lse, delta, sm_scale * LOG2E, sm_scale,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            Hq, Hkv, T,
+            GROUP=Hq // Hkv, HEAD_DIM=hd, CAUSAL=bool(causal), DOT_PREC=_dot_precision(q.dtype),
+            INTERPRET=INTERPRET)
+    return dq, dk, dv
+
+
+@flash_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal = causal
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse gets no gradient: no zeros are made for it
+
+
+def _backward(ctx, do, _):
+    q, k, v, o, lse = ctx.saved_tensors
+    return (*flash_attention_bwd(do, q, k, v, o, lse, ctx.causal), None)
+
+
+flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, causal=True):
     """Attention of q [B,Hq,T,hd] over k/v [B,Hkv,T,hd]; returns a [B,Hq,T,hd] view of
     [B,T,Hq,hd] storage. Differentiable in q, k, v."""
     _check(q, k, v)
-    return _FlashAttention.apply(_unit_last(q), _unit_last(k), _unit_last(v), causal)
+    return flash_attention_fwd(_unit_last(q), _unit_last(k), _unit_last(v), bool(causal))[0]
 
 
 # ------------------------------------------------------------------ backend choice (CUDA)

@@ -228,55 +228,90 @@ def _like(do: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x).copy_(do)
 
 
-class _QKNormRope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, q_gamma, k_gamma, cos, sin, eps, interleaved):
-        B, Hq, T, hd = q.shape
-        Hk = k.shape[1]
-        if k.shape != (B, Hk, T, hd) or hd % 2:
-            raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} need equal B, T and an even hd")
-        nq, nk = B * Hq * T, B * Hk * T
-        if max(nq, nk) * 2 >= 2**31:  # row indices are int32 (element offsets are 64-bit)
-            raise ValueError("qk_norm_rope: too many rows")
-        q, q_bhtd = _layout(q)
-        k, k_bhtd = _layout(k)
-        cos = cos[:T].float().contiguous()
-        sin = sin[:T].float().contiguous()
-        qg, kg = q_gamma.contiguous(), k_gamma.contiguous()
-        qo, ko = torch.empty_like(q), torch.empty_like(k)
-        half = hd // 2
-        meta = dict(HQ=Hq, HK=Hk, Q_BHTD=q_bhtd, K_BHTD=k_bhtd, HALF=half, HALF_P=triton.next_power_of_2(half),
-                    INTERLEAVED=bool(interleaved))
-        if nq:
-            grid = lambda m: (triton.cdiv(nq, m["BLOCK_R"]) + triton.cdiv(nk, m["BLOCK_R"]),)
-            _qk_fwd[grid](q, k, qo, ko, qg, kg, cos, sin, nq, nk, T, eps, **meta)
-        ctx.save_for_backward(q, k, qg, kg, cos, sin)
-        ctx.eps, ctx.meta = eps, meta
-        return qo, ko
+def _meta(q: torch.Tensor, k: torch.Tensor, q_bhtd: bool, k_bhtd: bool, interleaved: bool) -> dict:
+    half = q.shape[-1] // 2
+    return dict(HQ=q.shape[1], HK=k.shape[1], Q_BHTD=q_bhtd, K_BHTD=k_bhtd, HALF=half,
+                HALF_P=triton.next_power_of_2(half), INTERLEAVED=bool(interleaved))
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dqo, dko):
-        q, k, qg, kg, cos, sin = ctx.saved_tensors
-        B, Hq, T, hd = q.shape
-        Hk = k.shape[1]
-        nq, nk = B * Hq * T, B * Hk * T
-        if not nq:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(qg), torch.zeros_like(kg), \
-                None, None, None, None
-        dqo, dko = _like(dqo, q), _like(dko, k)
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        # q and k get the same number of programs P, each a run of rows (a multiple of every BLOCK_R)
-        target = max(1, 16 * num_sms(q.device))  # several waves: no half-empty tail wave
-        q_run = triton.cdiv(triton.cdiv(nq, target), _MAX_BLOCK_R) * _MAX_BLOCK_R
-        n_prog = triton.cdiv(nq, q_run)
-        k_run = triton.cdiv(triton.cdiv(nk, n_prog), _MAX_BLOCK_R) * _MAX_BLOCK_R
-        dg_part = torch.empty((2, n_prog, hd), dtype=torch.float32, device=q.device)
-        _qk_bwd[(2 * n_prog,)](q, k, dqo, dko, dq, dk, qg, kg, dg_part, cos, sin,
-                               nq, nk, q_run, k_run, n_prog, T, ctx.eps, **ctx.meta)
-        dg = dg_part.sum(1)
-        return dq, dk, dg[0].to(qg.dtype), dg[1].to(kg.dtype), None, None, None, None
+
+def _rope_rows(cos: torch.Tensor, sin: torch.Tensor, T: int):
+    return cos[:T].float().contiguous(), sin[:T].float().contiguous()
+
+
+# Custom ops with fake implementations and autograd (why: blunb/kernels/__init__.py).
+@torch.library.custom_op("blunb::qk_norm_rope_fwd", mutates_args=())
+def qk_norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_gamma: torch.Tensor, k_gamma: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                     interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    T = q.shape[2]
+    nq, nk = q.shape[:3].numel(), k.shape[:3].numel()
+    q, q_bhtd = _layout(q)
+    k, k_bhtd = _layout(k)
+    cos, sin = _rope_rows(cos, sin, T)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if nq:
+        grid = lambda m: (triton.cdiv(nq, m["BLOCK_R"]) + triton.cdiv(nk, m["BLOCK_R"]),)
+        _qk_fwd[grid](q, k, qo, ko, q_gamma.contiguous(), k_gamma.contiguous(), cos, sin, nq, nk, T, eps,
+                      **_meta(q, k, q_bhtd, k_bhtd, interleaved))
+    return qo, ko
+
+
+@qk_norm_rope_fwd.register_fake
+def _(q, k, q_gamma, k_gamma, cos, sin, eps, interleaved):
+    return torch.empty_like(_layout(q)[0]), torch.empty_like(_layout(k)[0])
+
+
+@torch.library.custom_op("blunb::qk_norm_rope_bwd", mutates_args=())
+def qk_norm_rope_bwd(dqo: torch.Tensor, dko: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_gamma: torch.Tensor,
+                     k_gamma: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                     interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk) in the layout the forward read q/k in, and both gammas' fp32 gradients as one [2, hd]."""
+    B, Hq, T, hd = q.shape
+    nq, nk = q.shape[:3].numel(), k.shape[:3].numel()
+    q, q_bhtd = _layout(q)
+    k, k_bhtd = _layout(k)
+    if not nq:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros((2, hd), dtype=torch.float32, device=q.device)
+    cos, sin = _rope_rows(cos, sin, T)
+    dqo, dko = _like(dqo, q), _like(dko, k)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # q and k get the same number of programs P, each a run of rows (a multiple of every BLOCK_R)
+    target = max(1, 16 * num_sms(q.device))  # several waves: no half-empty tail wave
+    q_run = triton.cdiv(triton.cdiv(nq, target), _MAX_BLOCK_R) * _MAX_BLOCK_R
+    n_prog = triton.cdiv(nq, q_run)
+    k_run = triton.cdiv(triton.cdiv(nk, n_prog), _MAX_BLOCK_R) * _MAX_BLOCK_R
+    dg_part = torch.empty((2, n_prog, hd), dtype=torch.float32, device=q.device)
+    _qk_bwd[(2 * n_prog,)](q, k, dqo, dko, dq, dk, q_gamma.contiguous(), k_gamma.contiguous(), dg_part, cos, sin,
+                           nq, nk, q_run, k_run, n_prog, T, eps, **_meta(q, k, q_bhtd, k_bhtd, interleaved))
+    return dq, dk, dg_part.sum(1)
+
+
+@qk_norm_rope_bwd.register_fake
+def _(dqo, dko, q, k, q_gamma, k_gamma, cos, sin, eps, interleaved):
+    return (torch.empty_like(_layout(q)[0]), torch.empty_like(_layout(k)[0]),
+            q.new_empty((2, q.shape[-1]), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, q_gamma, k_gamma, cos, sin, eps, interleaved = inputs
+    ctx.save_for_backward(q, k, q_gamma, k_gamma, cos, sin)
+    ctx.eps, ctx.interleaved = eps, interleaved
+
+
+def _backward(ctx, dqo, dko):
+    q, k, q_gamma, k_gamma, cos, sin = ctx.saved_tensors
+    dq, dk, dgammas = qk_norm_rope_bwd(dqo, dko, q, k, q_gamma, k_gamma, cos, sin, ctx.eps, ctx.interleaved)
+    return dq, dk, dgammas[0].to(q_gamma.dtype), dgammas[1].to(k_gamma.dtype), None, None, None, None
+
+
+qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def qk_norm_rope(q, k, q_gamma, k_gamma, cos, sin, eps: float, interleaved: bool = False):
-    return _QKNormRope.apply(q, k, q_gamma, k_gamma, cos, sin, eps, interleaved)
+    B, Hq, T, hd = q.shape
+    Hk = k.shape[1]
+    if k.shape != (B, Hk, T, hd) or hd % 2:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} need equal B, T and an even hd")
+    if max(B * Hq * T, B * Hk * T) * 2 >= 2**31:  # row indices are int32 (element offsets are 64-bit)
+        raise ValueError("qk_norm_rope: too many rows")
+    return qk_norm_rope_fwd(q, k, q_gamma, k_gamma, cos, sin, eps, interleaved)

@@ -56,41 +56,69 @@ def _rms_norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, stride_dy
     tl.store(dw_part_ptr + pid * N + cols, dw, mask=mask)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        N = x.shape[-1]
-        if N > _MAX_N:
-            raise ValueError(f"fused rms_norm supports a last dim up to {_MAX_N}, got {N}")
-        x2 = rows(x)
-        w = weight.contiguous()
-        M = x2.shape[0]
-        y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        if M:
-            _rms_norm_fwd[(M,)](x2, w, y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK_N=triton.next_power_of_2(N))
-        ctx.save_for_backward(x2, w, rstd)
-        return y.view(x.shape)
+# Custom ops with fake implementations and autograd (why: blunb/kernels/__init__.py).
+@torch.library.custom_op("blunb::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y like x (contiguous), rstd fp32 per row."""
+    N = x.shape[-1]
+    x2 = rows(x)
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M:
+        _rms_norm_fwd[(M,)](x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), N, eps,
+                            BLOCK_N=triton.next_power_of_2(N))
+    return y.view(x.shape), rstd
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2, w, rstd = ctx.saved_tensors
-        M, N = x2.shape
-        dy2 = rows(dy)
-        dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
-        n_prog = max(1, min(M, 4 * num_sms(x2.device)))
-        dw_part = torch.empty((n_prog, N), dtype=torch.float32, device=x2.device)
-        if M:
-            _rms_norm_bwd[(n_prog,)](dy2, x2, w, rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), M, N,
-                                     BLOCK_N=triton.next_power_of_2(N))
-        else:
-            dw_part.zero_()
-        return dx.view(dy.shape), dw_part.sum(0).to(w.dtype), None
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+
+
+@torch.library.custom_op("blunb::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx like dy (contiguous), dweight like weight)."""
+    x2, w, dy2 = rows(x), weight.contiguous(), rows(dy)
+    M, N = x2.shape
+    dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    n_prog = max(1, min(M, 4 * num_sms(x2.device)))
+    dw_part = torch.empty((n_prog, N), dtype=torch.float32, device=x2.device)
+    if M:
+        _rms_norm_bwd[(n_prog,)](dy2, x2, w, rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), M, N,
+                                 BLOCK_N=triton.next_power_of_2(N))
+    else:
+        dw_part.zero_()
+    return dx.view(dy.shape), dw_part.sum(0).to(w.dtype)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    return dy.new_empty(dy.shape, dtype=x.dtype), torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    rstd = output[1]
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # rstd gets no gradient: no zeros are made for it
+
+
+def _backward(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_bwd(dy, x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNorm.apply(x, weight, eps)
+    if x.shape[-1] > _MAX_N:
+        raise ValueError(f"fused rms_norm supports a last dim up to {_MAX_N}, got {x.shape[-1]}")
+    return rms_norm_fwd(x, weight, eps)[0]
 
 
 def prefer(x, weight, eps) -> bool:

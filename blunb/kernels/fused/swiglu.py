@@ -53,30 +53,50 @@ def _grid(M, F):
     return lambda meta: (M, triton.cdiv(F, meta["BLOCK"]))
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gu):
-        if gu.shape[-1] % 2:
-            raise ValueError(f"swiglu needs an even last dim [gate | up], got {gu.shape[-1]}")
-        gu2 = rows(gu)
-        M, F = gu2.shape[0], gu2.shape[1] // 2
-        y = torch.empty((M, F), dtype=gu.dtype, device=gu.device)
-        if M and F:
-            _swiglu_fwd[_grid(M, F)](gu2, y, gu2.stride(0), y.stride(0), F)
-        ctx.save_for_backward(gu2)
-        return y.view(*gu.shape[:-1], F)
+# Custom ops with fake implementations and autograd (why: blunb/kernels/__init__.py).
+@torch.library.custom_op("blunb::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gu: torch.Tensor) -> torch.Tensor:
+    gu2 = rows(gu)
+    M, F = gu2.shape[0], gu2.shape[1] // 2
+    y = torch.empty((M, F), dtype=gu.dtype, device=gu.device)
+    if M and F:
+        _swiglu_fwd[_grid(M, F)](gu2, y, gu2.stride(0), y.stride(0), F)
+    return y.view(*gu.shape[:-1], F)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        (gu2,) = ctx.saved_tensors
-        M, F = gu2.shape[0], gu2.shape[1] // 2
-        dy2 = rows(dy)
-        dgu = torch.empty((M, 2 * F), dtype=gu2.dtype, device=gu2.device)
-        if M and F:
-            _swiglu_bwd[_grid(M, F)](gu2, dy2, dgu, gu2.stride(0), dy2.stride(0), dgu.stride(0), F)
-        return dgu.view(*dy.shape[:-1], 2 * F)
+
+@swiglu_fwd.register_fake
+def _(gu):
+    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
+
+@torch.library.custom_op("blunb::swiglu_bwd", mutates_args=())
+def swiglu_bwd(gu: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    gu2, dy2 = rows(gu), rows(dy)
+    M, F = gu2.shape[0], gu2.shape[1] // 2
+    dgu = torch.empty((M, 2 * F), dtype=gu2.dtype, device=gu2.device)
+    if M and F:
+        _swiglu_bwd[_grid(M, F)](gu2, dy2, dgu, gu2.stride(0), dy2.stride(0), dgu.stride(0), F)
+    return dgu.view(*dy.shape[:-1], 2 * F)
+
+
+@swiglu_bwd.register_fake
+def _(gu, dy):
+    return gu.new_empty((*dy.shape[:-1], 2 * dy.shape[-1]))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, dy):
+    (gu,) = ctx.saved_tensors
+    return swiglu_bwd(gu, dy)
+
+
+swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
-    return _SwiGLU.apply(gu)
+    if gu.shape[-1] % 2:
+        raise ValueError(f"swiglu needs an even last dim [gate | up], got {gu.shape[-1]}")
+    return swiglu_fwd(gu)
