@@ -69,7 +69,7 @@ import torch
 from blunb.config import TrainConfig, preset
 from blunb.model import BLU
 from blunb.optim.muon import lpt_partition, muon_param_groups, ns_cost
-from blunb.optim.zero_adamw import REDUCE_DTYPES, refresh_stages
+from blunb.optim.zero_adamw import REDUCE_DTYPES, backward_buckets, refresh_stages
 
 _LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MIB = 2**20
@@ -387,15 +387,7 @@ def _adamw_units(params, world: int, collective: str, red_dtype: torch.dtype, bu
     """ShardedAdamW._build_layout: whole tensors in backward order, ~bucket_mb of the REDUCE dtype each,
     every bucket padded to a multiple of W; reduced in bucket order."""
     cap = max(1, int(bucket_mb * MIB) // _elem(red_dtype))
-    buckets, cur, n = [], [], 0
-    for i in reversed(range(len(params))):
-        k = params[i][1].numel()
-        if cur and n + k > cap:
-            buckets.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += k
-    buckets.append(cur)
+    buckets = backward_buckets([p.numel() for _, p in params], cap)
     units = []
     for b, idx in enumerate(buckets):
         numel = sum(params[i][1].numel() for i in idx)

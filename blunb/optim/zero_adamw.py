@@ -61,6 +61,20 @@ def _mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB"
 
 
+def backward_buckets(numels: list[int], cap: int) -> list[list[int]]:
+    """Parameter indices grouped into reduce buckets: whole tensors in backward order (gradients
+    arrive last-first), a new bucket once the next tensor would take it past `cap` elements."""
+    buckets, cur, cur_n = [], [], 0
+    for i in reversed(range(len(numels))):
+        if cur and cur_n + numels[i] > cap:
+            buckets.append(cur)
+            cur, cur_n = [], 0
+        cur.append(i)
+        cur_n += numels[i]
+    buckets.append(cur)
+    return buckets
+
+
 class ShardedAdamW(torch.optim.Optimizer):
     """ZeRO-1 AdamW over parameters of ONE dtype (module docstring has the design).
 
@@ -148,16 +162,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _build_layout(self, bucket_mb: float) -> None:
         W, plist = self.world, self._params
         cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=self.red_dtype).element_size())
-        buckets, cur, cur_n = [], [], 0
-        for i in reversed(range(len(plist))):          # backward order: grads arrive last-first
-            n = plist[i].numel()
-            if cur and cur_n + n > cap:
-                buckets.append(cur)
-                cur, cur_n = [], 0
-            cur.append(i)
-            cur_n += n
-        buckets.append(cur)
-        self._buckets = buckets
+        self._buckets = buckets = backward_buckets([p.numel() for p in plist], cap)
         self._bucket_base, self._bucket_chunk, self._param_off = [], [], [0] * len(plist)
         base = 0
         for idx in buckets:
