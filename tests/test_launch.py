@@ -290,7 +290,10 @@ def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | Non
 def test_an_interrupted_launch_leaves_no_process_behind(tmp_path):
     """A notebook interrupt is SIGINT to the kernel alone: launch() must take torchrun and every rank down."""
     run_dir = tmp_path / "run"
-    code = ("from blunb.launch import launch\n"
+    # A kernel always handles SIGINT, but a child of a background job inherits SIGINT ignored (POSIX): the
+    # handler is installed here, or the test would depend on how the suite itself was started.
+    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from blunb.launch import launch\n"
             f"launch(['--preset', 'tiny', '--max-steps', '100000', '--run-dir', {str(run_dir)!r}], nproc=2)")
     with open(tmp_path / "out.log", "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, env=_train_env(),
