@@ -22,6 +22,34 @@ from blunb.launch import torchrun_command
 from blunb.runs import load_run, steady_aggregates
 
 
+def run_trainer_variant(preset: str, name: str, overrides: list[str], *, steps: int, warmup: int, nproc: int,
+                        runs_dir: str | Path) -> dict:
+    """One real `blunb.train` run (under torchrun when nproc > 1) -> its steady-state row."""
+    run_dir = Path(runs_dir) / f"{preset}-w{nproc}-{name}"
+    train_args = ["--preset", preset, "--max-steps", str(steps), "--run-dir", str(run_dir),
+                  "--overwrite"] + [a for kv in overrides for a in ("--set", kv)]
+    cmd = torchrun_command(["-m", "blunb.train", *train_args], nproc) if nproc > 1 else \
+        [sys.executable, "-m", "blunb.train", *train_args]
+    print(f"=== {name}: {' '.join(train_args)}", flush=True)
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        return {"variant": name, "status": f"failed ({proc.returncode})", "overrides": " ".join(overrides)}
+    run = load_run(run_dir)
+    m = run.metrics
+    steady = m[m["step"] >= warmup]
+    return {
+        "variant": name, "status": "ok", "preset": preset, "nproc": nproc,
+        "optimizer": run.config["optimizer"], "kernels": run.config["kernels"],
+        "global_batch": run.config["global_batch"], "steps": len(m), "steady_steps": len(steady),
+        "steady_ms_per_step": steady["dt_ms"].mean(), **steady_aggregates(steady),
+        "steady_mfu_palm": (steady["mfu_palm"] * steady["dt_ms"]).sum() / steady["dt_ms"].sum(),
+        "best_mfu": steady["mfu"].max(), "first_loss": m["train_loss"].iloc[0],
+        "final_loss": m["train_loss"].iloc[-1], "peak_mem_gib": m["peak_mem_gib"].max(),
+        "device": run.env["device"], "torch": run.env["torch"], "triton": run.env["triton"],
+        "overrides": " ".join(overrides),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b")
@@ -36,30 +64,8 @@ def main() -> None:
 
     rows = []
     for name, *overrides in args.variant:
-        run_dir = Path(args.runs_dir) / f"{args.preset}-w{args.nproc}-{name}"
-        train_args = ["--preset", args.preset, "--max-steps", str(args.steps), "--run-dir", str(run_dir),
-                      "--overwrite"] + [a for kv in args.common + overrides for a in ("--set", kv)]
-        cmd = torchrun_command(["-m", "blunb.train", *train_args], args.nproc) if args.nproc > 1 else \
-            [sys.executable, "-m", "blunb.train", *train_args]
-        print(f"=== {name}: {' '.join(train_args)}", flush=True)
-        proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if proc.returncode != 0:
-            rows.append({"variant": name, "status": f"failed ({proc.returncode})"})
-            continue
-        run = load_run(run_dir)
-        m = run.metrics
-        steady = m[m["step"] >= args.warmup]
-        agg = steady_aggregates(steady)
-        rows.append({
-            "variant": name, "status": "ok", "preset": args.preset, "nproc": args.nproc,
-            "optimizer": run.config["optimizer"], "kernels": run.config["kernels"],
-            "global_batch": run.config["global_batch"], "steps": len(m), "steady_steps": len(steady),
-            "steady_ms_per_step": steady["dt_ms"].mean(), **agg,
-            "best_mfu": steady["mfu"].max(), "first_loss": m["train_loss"].iloc[0],
-            "final_loss": m["train_loss"].iloc[-1], "peak_mem_gib": m["peak_mem_gib"].max(),
-            "device": run.env["device"], "torch": run.env["torch"], "triton": run.env["triton"],
-            "overrides": " ".join(args.common + overrides),
-        })
+        rows.append(run_trainer_variant(args.preset, name, args.common + overrides, steps=args.steps,
+                                        warmup=args.warmup, nproc=args.nproc, runs_dir=args.runs_dir))
         print(pd.DataFrame(rows[-1:]).T.to_string(header=False), flush=True)
     table = pd.DataFrame(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

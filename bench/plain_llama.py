@@ -1,0 +1,157 @@
+"""The speed baseline: a plain PyTorch Llama-style model of a blunb preset's shape, trained the
+way a user would write it without blunb, eager or under torch.compile.
+
+    PYTHONPATH=. python3 bench/plain_llama.py --preset 1b --compile --steps 15 --json /tmp/plain.json
+
+Same shape as BLU (GQA, QK-norm with per-head-dim scales, NeoX RoPE, SwiGLU, untied or tied
+lm_head), written with stock ops: F.rms_norm, F.scaled_dot_product_attention (enable_gqa),
+fp32 parameters under bf16 autocast, fp32 cross-entropy, torch.optim.AdamW(fused=True) with
+global-norm clipping, one optimizer step per micro-batch of random tokens (throughput does not
+depend on the data). Prints and writes one JSON row: ms/step, tok/s, MFU (causal and PaLM, by
+blunb's MFU meter, so both sides share one FLOP count) and peak allocated memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from blunb.config import ModelConfig, preset
+from blunb.mfu import MFUMeter
+
+log = logging.getLogger("plain_llama")
+
+
+def rope_tables(T: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        d, hd = c.d_model, c.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.ffn_norm = nn.Parameter(torch.ones(d))
+        self.wq = nn.Linear(d, c.q_heads * hd, bias=False)
+        self.wk = nn.Linear(d, c.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(d, c.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(c.q_heads * hd, d, bias=False)
+        self.q_gamma = nn.Parameter(torch.ones(hd))
+        self.k_gamma = nn.Parameter(torch.ones(hd))
+        self.gate_up = nn.Linear(d, 2 * c.ffn_hidden, bias=False)
+        self.down = nn.Linear(c.ffn_hidden, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        c = self.c
+        B, T, _ = x.shape
+        h = F.rms_norm(x, (c.d_model,), self.attn_norm, c.rms_eps)
+        q = self.wq(h).view(B, T, c.q_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        q = apply_rope(F.rms_norm(q.float(), (c.head_dim,), self.q_gamma, c.qk_eps), cos, sin).to(v.dtype)
+        k = apply_rope(F.rms_norm(k.float(), (c.head_dim,), self.k_gamma, c.qk_eps), cos, sin).to(v.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.q_heads != c.kv_heads)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, T, c.q_heads * c.head_dim))
+        gate, up = self.gate_up(F.rms_norm(x, (c.d_model,), self.ffn_norm, c.rms_eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class PlainLlama(nn.Module):
+    def __init__(self, c: ModelConfig, device):
+        super().__init__()
+        self.c = c
+        with torch.device(device):
+            self.wte = nn.Embedding(c.vocab_size, c.d_model)
+            self.blocks = nn.ModuleList(PlainBlock(c) for _ in range(c.n_layers))
+            self.norm_f = nn.Parameter(torch.ones(c.d_model))
+            self.lm_head = None if c.weight_tying else nn.Linear(c.d_model, c.vocab_size, bias=False)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02)
+        cos, sin = rope_tables(c.context_length, c.head_dim, c.rope_theta, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, idx, targets):
+        T = idx.shape[1]
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = blk(x, self.cos[:T], self.sin[:T])
+        x = F.rms_norm(x, (self.c.d_model,), self.norm_f, self.c.rms_eps)
+        logits = F.linear(x, self.wte.weight if self.lm_head is None else self.lm_head.weight)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B: int | None = None,
+               T: int | None = None, lr: float = 6e-4) -> dict:
+    cfg = preset(preset_name)
+    B, T = B or cfg.B, T or cfg.T
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = PlainLlama(cfg.model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    fwd = torch.compile(model) if compile_model else model
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step():
+        idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device, generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):   # the first steps compile and autotune
+        step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    meter = MFUMeter.build(cfg.model, seq_len=T, world_size=1, device_name=torch.cuda.get_device_name(device))
+    tokens = B * T
+    return {"variant": "plain_compile" if compile_model else "plain_eager", "preset": preset_name, "B": B, "T": T,
+            "ms_per_step": dt * 1e3, "tok_per_s": tokens / dt, "mfu_causal": meter.mfu(dt, tokens),
+            "mfu_palm": meter.mfu_palm(dt, tokens), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "warmup_s": warm_s, "timed_steps": steps, "final_loss": float(loss), "num_params":
+            sum(p.numel() for p in model.parameters())}
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    row = time_plain(args.preset, args.compile, args.steps, args.warmup)
+    log.info(json.dumps(row))
+    Path(args.json).write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

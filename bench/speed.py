@@ -1,0 +1,127 @@
+"""blunb's trainer against a plain PyTorch model of the same shape, eager and torch.compile'd,
+all in one call on one GPU: tokens/s, MFU (causal and PaLM), peak memory and the ratios.
+
+    PYTHONPATH=. python3 bench/speed.py --presets 1b,124m --out results/bench/speed.csv
+    PYTHONPATH=. python3 bench/speed.py --presets 1b --blunb adamw=optimizer=adamw \
+        --blunb adamw-compile=optimizer=adamw,compile=true --out /tmp/speed.csv
+
+Baselines: bench/plain_llama.py (plain_eager, plain_compile). blunb rows are real `blunb.train`
+runs at the preset's micro-batch with one optimizer step per micro-batch (global_batch = B x T),
+no validation or checkpoints inside the timed steps. Every process is separate, so one's peak
+memory and compile caches do not leak into the next; the CSV is rewritten after every row, so a
+call cut short keeps what it measured. Each blunb row carries tok/s and peak memory relative to
+plain_compile of the same preset, measured in this call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from bench.train_presets import run_trainer_variant
+from blunb.config import preset
+
+log = logging.getLogger("speed")
+
+DEFAULT_BLUNB = {
+    "adamw": "optimizer=adamw",
+    "adamw-compile": "optimizer=adamw,compile=true",
+    "adamw-compile-torchkernels": "optimizer=adamw,compile=true,kernels=torch",
+    "muon": "optimizer=muon",
+}
+
+
+def _versions() -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda}
+
+
+def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, work: Path) -> dict:
+    out = work / f"plain-{preset_name}-{'compile' if compile_model else 'eager'}.json"
+    cmd = [sys.executable, "bench/plain_llama.py", "--preset", preset_name, "--steps", str(steps),
+           "--warmup", str(warmup), "--json", str(out)] + (["--compile"] if compile_model else [])
+    name = "plain_compile" if compile_model else "plain_eager"
+    if subprocess.run(cmd).returncode != 0 or not out.exists():
+        return {"variant": name, "preset": preset_name, "status": "failed"}
+    row = json.loads(out.read_text())
+    return {**row, "status": "ok", "kind": "baseline"}
+
+
+def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
+    cfg = preset(preset_name)
+    common = [f"global_batch={cfg.B * cfg.T}", f"val_freq={10 * steps}", "ckpt_freq=0", f"mfu_warmup={warmup}"]
+    r = run_trainer_variant(preset_name, name, common + overrides, steps=steps, warmup=warmup, nproc=1,
+                            runs_dir=work / "runs")
+    if r["status"] != "ok":
+        return {**r, "preset": preset_name, "kind": "blunb"}
+    return {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "B": cfg.B, "T": cfg.T,
+            "ms_per_step": r["steady_ms_per_step"], "tok_per_s": r["steady_tok_per_sec"],
+            "mfu_causal": r["steady_mfu"], "mfu_palm": r["steady_mfu_palm"], "peak_mem_gib": r["peak_mem_gib"],
+            "timed_steps": r["steady_steps"], "final_loss": r["final_loss"], "overrides": r["overrides"]}
+
+
+def _with_ratios(rows: list[dict]) -> pd.DataFrame:
+    table = pd.DataFrame(rows)
+    for col in ("tok_per_s", "peak_mem_gib"):
+        if col not in table:
+            table[col] = float("nan")
+    base = table[(table["variant"] == "plain_compile") & (table["status"] == "ok")].set_index("preset")
+    table["tok_per_s_vs_plain_compile"] = table["tok_per_s"] / table["preset"].map(base["tok_per_s"])
+    table["mem_vs_plain_compile"] = table["peak_mem_gib"] / table["preset"].map(base["peak_mem_gib"])
+    return table
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="1b,124m")
+    ap.add_argument("--steps", type=int, default=15, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures (compile, autotune)")
+    ap.add_argument("--blunb", action="append", metavar="NAME=K=V,K=V",
+                    help="a blunb variant (repeatable); default: " + ", ".join(DEFAULT_BLUNB))
+    ap.add_argument("--no-eager-baseline", action="store_true", help="skip plain_eager")
+    ap.add_argument("--work", default="/tmp/blunb_speed")
+    ap.add_argument("--out", default="results/bench/speed.csv")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/speed.py measures GPU throughput: no CUDA device here")
+    variants = dict(v.split("=", 1) for v in args.blunb) if args.blunb else DEFAULT_BLUNB
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    facts = {**_versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    rows: list[dict] = []
+    for preset_name in args.presets.split(","):
+        jobs = [("plain", True)] + ([] if args.no_eager_baseline else [("plain", False)])
+        jobs += [(name, spec) for name, spec in variants.items()]
+        for name, spec in jobs:
+            t0 = time.perf_counter()
+            if name == "plain":
+                row = _plain_row(preset_name, spec, args.steps - args.warmup, args.warmup, work)
+            else:
+                row = _blunb_row(preset_name, name, spec.split(","), args.steps, args.warmup, work)
+            rows.append({**row, **facts, "wall_s": round(time.perf_counter() - t0, 1)})
+            table = _with_ratios(rows)
+            table.to_csv(out, index=False)
+            log.info("%s %s: %s", preset_name, row["variant"], table.iloc[-1].to_dict())
+    cols = ["preset", "variant", "status", "ms_per_step", "tok_per_s", "mfu_causal", "mfu_palm", "peak_mem_gib",
+            "tok_per_s_vs_plain_compile", "mem_vs_plain_compile"]
+    log.info("\n%s", _with_ratios(rows).reindex(columns=cols).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
