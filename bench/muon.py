@@ -4,10 +4,11 @@
   2 GPUs:  PYTHONPATH=. torchrun --standalone --nproc_per_node=2 bench/muon.py --sharded --out results/bench/muon.csv
   CPU:     PYTHONPATH=. python3 bench/muon.py --smoke --out /tmp/muon.csv   (tiny shapes: checks it runs)
 
-(a) NS5 per call, bf16, on 1024^2, 2048x8192, 3072^2, 3072x8192: eager cuBLAS vs CUDA-graph
-    replay vs graph + Triton SYRK (forced), each as host enqueue time per call (GPU kept
-    busy by a sleep kernel, so this is pure Python + launch cost) and GPU time per call
-    (kernels queued back to back behind the same sleep).
+(a) NS5 per call, bf16, on 1024^2, 2048x8192, 8192x2048 (tall: run in its own layout; compare
+    with its transpose), 3072^2, 3072x8192: eager cuBLAS vs CUDA-graph replay vs graph +
+    Triton SYRK (forced), each as host enqueue time per call (GPU kept busy by a sleep
+    kernel, so this is pure Python + launch cost) and GPU time per call (kernels queued
+    back to back behind the same sleep).
 (b) SYRK vs cuBLAS X @ X^T, X [n, n] bf16, n = 1024..8192, kernel time; the Triton number is
     the best autotuned config (which passed the cuBLAS cross-check).
 (c) The optimizer step on the 1b preset's 96 body matrices (bf16 weights, shapes built from
@@ -72,7 +73,8 @@ def host_and_gpu(fn, device, iters: int = 20) -> tuple[float, float]:
 
 
 def bench_ns(rows, device, smoke):
-    shapes = [(64, 64), (32, 128)] if smoke else [(1024, 1024), (2048, 8192), (3072, 3072), (3072, 8192)]
+    shapes = [(64, 64), (32, 128), (128, 32)] if smoke else \
+        [(1024, 1024), (2048, 8192), (8192, 2048), (3072, 3072), (3072, 8192)]
     impls = [("eager", dict(graphs=False, syrk=False))]
     if device.type == "cuda":
         impls += [("graph", dict(graphs=True, syrk=False)), ("graph+syrk", dict(graphs=True, syrk=True))]

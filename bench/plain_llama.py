@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from blunb.config import ModelConfig, preset
 from blunb.mfu import MFUMeter
+from blunb.profiling import write_profile
 
 log = logging.getLogger("plain_llama")
 
@@ -98,7 +99,7 @@ class PlainLlama(nn.Module):
 
 
 def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B: int | None = None,
-               T: int | None = None, lr: float = 6e-4) -> dict:
+               T: int | None = None, lr: float = 6e-4, profile_steps: int = 0, profile_to: Path | None = None) -> dict:
     cfg = preset(preset_name)
     B, T = B or cfg.B, T or cfg.T
     device = torch.device("cuda")
@@ -130,11 +131,19 @@ def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B
         loss = step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if profile_steps:  # after the timed steps, so the profiler's overhead is in none of them
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                step()
+            torch.cuda.synchronize()
+        write_profile(prof, profile_steps, profile_to.parent, prefix=profile_to.stem)
     meter = MFUMeter.build(cfg.model, seq_len=T, world_size=1, device_name=torch.cuda.get_device_name(device))
     tokens = B * T
     return {"variant": "plain_compile" if compile_model else "plain_eager", "preset": preset_name, "B": B, "T": T,
             "ms_per_step": dt * 1e3, "tok_per_s": tokens / dt, "mfu_causal": meter.mfu(dt, tokens),
-            "mfu_palm": meter.mfu_palm(dt, tokens), "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "mfu_palm": meter.mfu_palm(dt, tokens), "peak_mem_gib": peak,
             "warmup_s": warm_s, "timed_steps": steps, "final_loss": float(loss), "num_params":
             sum(p.numel() for p in model.parameters())}
 
@@ -147,8 +156,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="then profile this many steps: <json stem>-profile.csv / -profile_kernels.csv beside it")
     args = ap.parse_args()
-    row = time_plain(args.preset, args.compile, args.steps, args.warmup)
+    row = time_plain(args.preset, args.compile, args.steps, args.warmup, profile_steps=args.profile_steps,
+                     profile_to=Path(args.json).with_name(Path(args.json).stem + "-profile"))
     log.info(json.dumps(row))
     Path(args.json).write_text(json.dumps(row))
 

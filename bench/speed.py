@@ -50,28 +50,66 @@ def _versions() -> dict:
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda}
 
 
-def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, work: Path) -> dict:
-    out = work / f"plain-{preset_name}-{'compile' if compile_model else 'eager'}.json"
-    cmd = [sys.executable, "bench/plain_llama.py", "--preset", preset_name, "--steps", str(steps),
-           "--warmup", str(warmup), "--json", str(out)] + (["--compile"] if compile_model else [])
+def _profile(csv: Path, preset_name: str, variant: str) -> list[dict]:
+    if not csv.is_file():
+        return []
+    return [{"preset": preset_name, "variant": variant, **r} for r in pd.read_csv(csv).to_dict("records")]
+
+
+def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, profile_steps: int,
+               work: Path) -> tuple[dict, list[dict]]:
     name = "plain_compile" if compile_model else "plain_eager"
-    if subprocess.run(cmd).returncode != 0 or not out.exists():
-        return {"variant": name, "preset": preset_name, "status": "failed"}
+    out = work / f"{name}-{preset_name}.json"
+    cmd = [sys.executable, "bench/plain_llama.py", "--preset", preset_name, "--steps", str(steps),
+           "--warmup", str(warmup), "--json", str(out), "--profile-steps", str(profile_steps)]
+    if subprocess.run(cmd + (["--compile"] if compile_model else [])).returncode != 0 or not out.exists():
+        return {"variant": name, "preset": preset_name, "status": "failed"}, []
     row = json.loads(out.read_text())
-    return {**row, "status": "ok", "kind": "baseline"}
+    return {**row, "status": "ok", "kind": "baseline"}, _profile(out.with_name(out.stem + "-profile.csv"),
+                                                                    preset_name, name)
 
 
-def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
+def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, warmup: int, profile_steps: int,
+               work: Path) -> tuple[dict, list[dict]]:
     cfg = preset(preset_name)
     common = [f"global_batch={cfg.B * cfg.T}", f"val_freq={10 * steps}", "ckpt_freq=0", f"mfu_warmup={warmup}"]
     r = run_trainer_variant(preset_name, name, common + overrides, steps=steps, warmup=warmup, nproc=1,
-                            runs_dir=work / "runs")
+                            runs_dir=work / "runs", profile_steps=profile_steps)
     if r["status"] != "ok":
-        return {**r, "preset": preset_name, "kind": "blunb"}
-    return {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "B": cfg.B, "T": cfg.T,
-            "ms_per_step": r["steady_ms_per_step"], "tok_per_s": r["steady_tok_per_sec"],
-            "mfu_causal": r["steady_mfu"], "mfu_palm": r["steady_mfu_palm"], "peak_mem_gib": r["peak_mem_gib"],
-            "timed_steps": r["steady_steps"], "final_loss": r["final_loss"], "overrides": r["overrides"]}
+        return {**r, "preset": preset_name, "kind": "blunb"}, []
+    row = {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "B": cfg.B, "T": cfg.T,
+           "ms_per_step": r["steady_ms_per_step"], "tok_per_s": r["steady_tok_per_sec"],
+           "mfu_causal": r["steady_mfu"], "mfu_palm": r["steady_mfu_palm"], "peak_mem_gib": r["peak_mem_gib"],
+           "opt_step_ms": r["opt_step_ms"], "timed_steps": r["steady_steps"], "final_loss": r["final_loss"],
+           "overrides": r["overrides"]}
+    return row, _profile(Path(r["run_dir"]) / "profile.csv", preset_name, name)
+
+
+def _plot_profiles(profiles: pd.DataFrame, path: Path, facts: dict) -> None:
+    """One horizontal stacked bar per variant and preset: ms per step by category."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(profiles["preset"]))
+    fig, axes = plt.subplots(len(presets), 1, figsize=(10, 1.2 + 0.6 * profiles[["preset", "variant"]]
+                                                      .drop_duplicates().shape[0]), squeeze=False)
+    categories = profiles.groupby("category")["ms_per_step"].sum().sort_values(ascending=False).index
+    colors = dict(zip(categories, plt.get_cmap("tab20").colors))
+    for ax, preset_name in zip(axes[:, 0], presets):
+        table = profiles[profiles["preset"] == preset_name].pivot_table(
+            index="variant", columns="category", values="ms_per_step", aggfunc="sum", fill_value=0.0)
+        left = pd.Series(0.0, index=table.index)
+        for cat in [c for c in categories if c in table]:
+            ax.barh(table.index, table[cat], left=left, color=colors[cat], label=cat)
+            left += table[cat]
+        ax.set_title(f"{preset_name}: GPU time per step by category (torch.profiler), {facts['device']}")
+        ax.set_xlabel("ms per step")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
+    fig.savefig(path, dpi=120)
+    fig.savefig(path.with_suffix(".svg"))
 
 
 def _with_ratios(rows: list[dict]) -> pd.DataFrame:
@@ -94,6 +132,8 @@ def main() -> None:
     ap.add_argument("--blunb", action="append", metavar="NAME=K=V,K=V",
                     help="a blunb variant (repeatable); default: " + ", ".join(DEFAULT_BLUNB))
     ap.add_argument("--no-eager-baseline", action="store_true", help="skip plain_eager")
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="steps profiled after the timed ones (0: none); <out stem>_profile.csv and .png")
     ap.add_argument("--work", default="/tmp/blunb_speed")
     ap.add_argument("--out", default="results/bench/speed.csv")
     args = ap.parse_args()
@@ -105,22 +145,31 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     facts = {**_versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows: list[dict] = []
+    profiles: list[dict] = []
+    profile_csv = out.with_name(out.stem + "_profile.csv")
     for preset_name in args.presets.split(","):
         jobs = [("plain", True)] + ([] if args.no_eager_baseline else [("plain", False)])
         jobs += [(name, spec) for name, spec in variants.items()]
         for name, spec in jobs:
             t0 = time.perf_counter()
             if name == "plain":
-                row = _plain_row(preset_name, spec, args.steps - args.warmup, args.warmup, work)
+                row, prof = _plain_row(preset_name, spec, args.steps - args.warmup, args.warmup, args.profile_steps,
+                                       work)
             else:
-                row = _blunb_row(preset_name, name, spec.split(","), args.steps, args.warmup, work)
+                row, prof = _blunb_row(preset_name, name, spec.split(","), args.steps, args.warmup,
+                                       args.profile_steps, work)
             rows.append({**row, **facts, "wall_s": round(time.perf_counter() - t0, 1)})
             table = _with_ratios(rows)
             table.to_csv(out, index=False)
+            profiles += [{**r, **facts} for r in prof]
+            if profiles:
+                pd.DataFrame(profiles).to_csv(profile_csv, index=False)
             log.info("%s %s: %s", preset_name, row["variant"], table.iloc[-1].to_dict())
     cols = ["preset", "variant", "status", "ms_per_step", "tok_per_s", "mfu_causal", "mfu_palm", "peak_mem_gib",
             "tok_per_s_vs_plain_compile", "mem_vs_plain_compile"]
     log.info("\n%s", _with_ratios(rows).reindex(columns=cols).to_string(index=False))
+    if profiles:
+        _plot_profiles(pd.DataFrame(profiles), profile_csv.with_suffix(".png"), facts)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,13 @@ from blunb.runs import load_run, steady_aggregates
 
 
 def run_trainer_variant(preset: str, name: str, overrides: list[str], *, steps: int, warmup: int, nproc: int,
-                        runs_dir: str | Path) -> dict:
-    """One real `blunb.train` run (under torchrun when nproc > 1) -> its steady-state row."""
+                        runs_dir: str | Path, profile_steps: int = 0) -> dict:
+    """One real `blunb.train` run (under torchrun when nproc > 1) -> its steady-state row. With
+    profile_steps, that many more steps run under the profiler (run folder's profile.csv), outside the
+    steady window."""
+    if profile_steps:
+        overrides = [*overrides, f"profile_steps={profile_steps}"]
+        steps += profile_steps
     run_dir = Path(runs_dir) / f"{preset}-w{nproc}-{name}"
     train_args = ["--preset", preset, "--max-steps", str(steps), "--run-dir", str(run_dir),
                   "--overwrite"] + [a for kv in overrides for a in ("--set", kv)]
@@ -36,17 +41,18 @@ def run_trainer_variant(preset: str, name: str, overrides: list[str], *, steps: 
         return {"variant": name, "status": f"failed ({proc.returncode})", "overrides": " ".join(overrides)}
     run = load_run(run_dir)
     m = run.metrics
-    steady = m[m["step"] >= warmup]
+    steady = m[(m["step"] >= warmup) & (m["step"] < steps - profile_steps)]
     return {
         "variant": name, "status": "ok", "preset": preset, "nproc": nproc,
         "optimizer": run.config["optimizer"], "kernels": run.config["kernels"],
         "global_batch": run.config["global_batch"], "steps": len(m), "steady_steps": len(steady),
         "steady_ms_per_step": steady["dt_ms"].mean(), **steady_aggregates(steady),
         "steady_mfu_palm": (steady["mfu_palm"] * steady["dt_ms"]).sum() / steady["dt_ms"].sum(),
+        "opt_step_ms": steady["opt_step_ms"].median(),
         "best_mfu": steady["mfu"].max(), "first_loss": m["train_loss"].iloc[0],
         "final_loss": m["train_loss"].iloc[-1], "peak_mem_gib": m["peak_mem_gib"].max(),
         "device": run.env["device"], "torch": run.env["torch"], "triton": run.env["triton"],
-        "overrides": " ".join(overrides),
+        "overrides": " ".join(overrides), "run_dir": str(run_dir),
     }
 
 

@@ -81,6 +81,10 @@ class ModelConfig:
     bf16_embed: bool = False   # token embedding (and the tied lm_head)
     # Linear weights: "auto" = bf16 on CUDA, fp32 on CPU; or "bf16" / "fp32".
     linear_dtype: str = "auto"
+    # lm_head + loss in token chunks (kernels/linear_cross_entropy.py): the [B*T, V] logits and their
+    # gradient are never materialized, and forward(idx, targets) returns (None, loss). Same math and
+    # dtypes as the plain path; forward(idx) without targets still returns the logits.
+    chunked_ce: bool = False
 
     def validate(self) -> None:
         _check_finite(self, "model.")
@@ -97,6 +101,8 @@ class ModelConfig:
             raise ConfigError(f"model.linear_dtype must be auto, bf16 or fp32, got {self.linear_dtype!r}")
         if self.rms_eps <= 0 or self.qk_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("model.rms_eps, model.qk_eps and model.rope_theta must be positive")
+        if not isinstance(self.chunked_ce, bool):
+            raise ConfigError(f"model.chunked_ce must be true or false, got {self.chunked_ce!r}")
 
     def num_params(self) -> int:
         """Exact parameter count of BLU(self) (tests hold the model to it)."""
@@ -163,6 +169,10 @@ class TrainConfig:
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
     ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
     ckpt_keep: int = 2              # the newest this many valid checkpoints are kept
+    # torch.profiler over the run's last this many steps (rank 0): profile.csv (GPU time per step by
+    # category) and profile_kernels.csv in the run folder. Profiled steps run slower: leave them out of
+    # throughput figures.
+    profile_steps: int = 0
 
     def grad_accum_steps(self, world_size: int) -> int:
         return self.global_batch // (self.B * self.T * world_size)
@@ -214,6 +224,9 @@ class TrainConfig:
             for step, rank in _parse_faults(name, getattr(self, name)):
                 if rank >= world_size:
                     raise ConfigError(f"{name}: rank {rank} (step {step}) does not exist at world_size {world_size}")
+        if not 0 <= self.profile_steps < self.max_steps:
+            raise ConfigError(f"profile_steps must be >= 0 and < max_steps ({self.max_steps}), "
+                              f"got {self.profile_steps}")
         if self.ckpt_freq < 0 or self.ckpt_keep < 1:
             raise ConfigError(f"ckpt_freq must be >= 0 (0 = off) and ckpt_keep >= 1, got {self.ckpt_freq} and "
                               f"{self.ckpt_keep}")

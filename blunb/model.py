@@ -2,6 +2,7 @@
 
 token embedding -> N x [RMSNorm -> wQ/wK/wV -> QK-norm + RoPE -> GQA causal attention -> wO -> +x ;
                         RMSNorm -> gate_up -> SwiGLU -> down -> +x] -> RMSNorm -> lm_head -> cross-entropy
+(chunked_ce runs the last two together in token chunks: kernels/linear_cross_entropy.py)
 
 Precision follows the seed: Linear weights bf16 on CUDA (fp32 on CPU), the residual
 stream, norms, embedding and logits fp32 unless one of the bf16_* flags moves that stage
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from blunb import kernels
 from blunb.config import BF16_STAGES, ModelConfig
+from blunb.kernels.linear_cross_entropy import linear_cross_entropy
 
 
 def _linear_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -139,7 +141,8 @@ class BLU(nn.Module):
         stages = [name.removeprefix("bf16_") for name in BF16_STAGES if getattr(self.cfg, name)]
         return {"linear_weights": label[self.linear_dtype], "output_projection": label[self.linear_dtype],
                 "residual_stream_and_norms": label[self.resid_dtype], "embedding": label[self.wte.weight.dtype],
-                "logits": label[self.logit_dtype], "qk_norm_rope": "fp32 (always)", "loss": "fp32",
+                "logits": label[self.logit_dtype] + (" (chunked, never materialized)" if self.cfg.chunked_ce else ""),
+                "qk_norm_rope": "fp32 (always)", "loss": "fp32",
                 "bf16_stages": "all three (all_bf16)" if len(stages) == len(BF16_STAGES) else
                 ", ".join(stages) or "none"}
 
@@ -154,12 +157,13 @@ class BLU(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for blk in self.blocks:
             x = blk(x, cos, sin)
-        x = self.norm_f(x)
-        if self.lm_head is None:  # tied: the output GEMM runs in the Linears' dtype, as the seed's
-            logits = F.linear(x.to(self.linear_dtype), self.wte.weight.to(self.linear_dtype))
-        else:
-            logits = self.lm_head(x.to(self.lm_head.weight.dtype))
-        logits = logits.to(self.logit_dtype)
+        x = self.norm_f(x).to(self.linear_dtype)
+        # the output GEMM runs in the Linears' dtype, tied (a cast of the embedding) or not, as the seed's
+        weight = self.wte.weight.to(self.linear_dtype) if self.lm_head is None else self.lm_head.weight
+        if targets is not None and self.cfg.chunked_ce:
+            return None, linear_cross_entropy(x.reshape(B * T, -1), weight, targets.reshape(B * T),
+                                              logit_dtype=self.logit_dtype)
+        logits = F.linear(x, weight).to(self.logit_dtype)
         if targets is None:
             return logits
         loss = kernels.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))

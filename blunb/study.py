@@ -336,6 +336,24 @@ def _checked_overrides(what: str, overrides) -> list[str]:
     return list(overrides)
 
 
+def _default_config() -> dict:
+    from blunb.config import TrainConfig
+
+    return json.loads(TrainConfig().to_json())
+
+
+def _with_new_fields(stored: dict, default: dict) -> dict:
+    """`stored` with the config fields it predates added at their defaults: a field added to blunb after a
+    run was made, left at its default, does not make the run's config differ (nor its result stale)."""
+    out = dict(stored)
+    for key, value in default.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _with_new_fields(out[key], value)
+    return out
+
+
 def _cache_action(plan: _Planned, nproc: int) -> str:
     """cached | new | resume | overwrite, from what the run folder already holds."""
     try:
@@ -343,7 +361,7 @@ def _cache_action(plan: _Planned, nproc: int) -> str:
         world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
     except (OSError, ValueError):
         return "new"  # nothing usable there (passed --overwrite anyway, for any leftovers)
-    if stored != plan.config or world_size != nproc:
+    if _with_new_fields(stored, _default_config()) != plan.config or world_size != nproc:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
     return "cached" if status.get("state") == "completed" else "resume"

@@ -469,6 +469,29 @@ class _HostCopy:
         return self._host.tolist()
 
 
+class _OptTimer:
+    """How long the optimizer step took, without a sync: CUDA events around it on the GPU (read once the
+    step's scalars have arrived, by which time both have completed), the wall clock on the CPU, where
+    the step runs synchronously. What overlap_backward moved into the backward is not in it."""
+
+    def __init__(self, device: torch.device):
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+        self._ms = None
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._ms = (time.perf_counter() - self._t0) * 1e3
+
+    def ms(self) -> float:
+        return self._events[0].elapsed_time(self._events[1]) if self._events is not None else self._ms
+
+
 @dataclass
 class _PendingStep:
     """A step whose scalars are still on their way to the host."""
@@ -480,6 +503,7 @@ class _PendingStep:
     last_val: float | None          # the latest validation loss when the step ran
     stats: StepStats
     scalars: _HostCopy
+    opt_timer: "_OptTimer"
     end: float = 0.0
 
 
@@ -504,7 +528,9 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
         if micro == 0 and finish_previous is not None:
             finish_previous()
     work = dist.all_reduce(loss_sum, group=run.scalar_group, async_op=True) if run.world_size > 1 else None
+    opt_timer = _OptTimer(run.device)
     stats = run.opt.step()
+    opt_timer.stop()
     if work is not None:
         work.wait()  # on NCCL a stream wait, not a host wait
         loss_sum /= run.world_size
@@ -512,7 +538,7 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
         for line in run.diag.end_step(step):
             log.info(line)
     scalars = _HostCopy(torch.cat([loss_sum.reshape(1), stats.values()]))
-    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars)
+    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars, opt_timer)
 
 
 def finish_step(run: _Run, p: _PendingStep) -> None:
@@ -543,8 +569,8 @@ def finish_step(run: _Run, p: _PendingStep) -> None:
 def _metric_columns(opt) -> list[str]:
     """metrics.csv after the seed's 11 columns: numeric, one column per fact (tidy)."""
     per_group = [f"{kind}_{name}" for name, _, _ in opt.groups for kind in ("norm", "clip", "skipped")]
-    return ["tokens", "grad_accum", "skipped", "last_val_loss", "lr_muon", "clip_covered_frac", "global_clip_coef",
-            "ns_rejected", "ns_rejected_total", "nsratio", "peak_mem_gib", *per_group]
+    return ["opt_step_ms", "tokens", "grad_accum", "skipped", "last_val_loss", "lr_muon", "clip_covered_frac",
+            "global_clip_coef", "ns_rejected", "ns_rejected_total", "nsratio", "peak_mem_gib", *per_group]
 
 
 def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord, dt: float) -> dict:
@@ -552,7 +578,7 @@ def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord,
     row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
            "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
            "mfu": meter.mfu(dt, tps), "mfu_palm": meter.mfu_palm(dt, tps),
-           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps),
+           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps), "opt_step_ms": p.opt_timer.ms(),
            "tokens": (p.step + 1) * tps, "grad_accum": run.accum, "skipped": int(rec.skipped),
            "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
            "global_clip_coef": rec.global_clip_coef, "ns_rejected": rec.ns_rejected,
@@ -600,6 +626,26 @@ def _validate_if_due(run: _Run, step: int) -> float | None:
     return run.last_val
 
 
+def _start_profiler(device: torch.device):
+    # the steps before are still on the device: let them finish, or their kernels land in the profile
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def _write_profile(profiler, steps: int, run_dir: Path) -> None:
+    from blunb.profiling import write_profile
+
+    categories = write_profile(profiler, steps, run_dir)
+    log.info(f"profile of the last {steps} step(s), ms per step by category (profile.csv, profile_kernels.csv):\n"
+             + categories.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+
+
 # ---------------------------------------------------------------- the loop
 
 def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume: str | Path | None = None) -> Path:
@@ -630,6 +676,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume))
         run.start += time.perf_counter()
         pending = None                      # the previous step, until its scalars are read
+        profiler, profiled, profile_from = None, 0, cfg.max_steps - cfg.profile_steps
         for step in range(run.start_step, cfg.max_steps):
             if (step, rank) in run.stall_at:
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -641,12 +688,18 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
                     pending = None
                 _save_checkpoint(run, step)
             val_loss = _validate_if_due(run, step)
+            if profiler is None and rank == 0 and cfg.profile_steps and step == max(run.start_step, profile_from):
+                profiler = _start_profiler(device)
+                profiled = cfg.max_steps - step
             previous = pending
             pending = train_step(run, step, val_loss,
                                  finish_previous=(lambda p=previous: finish_step(run, p)) if previous else None)
         run.opt.drain()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if profiler is not None:
+            profiler.stop()
+            _write_profile(profiler, profiled, run_dir)
         if pending is not None:  # None when a resumed run had nothing left to do
             pending.end = time.perf_counter()
             finish_step(run, pending)

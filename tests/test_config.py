@@ -205,3 +205,12 @@ def test_bad_peak_tflops_env_is_a_config_error_when_the_meter_is_built(monkeypat
     monkeypatch.setenv("BLUNB_PEAK_TFLOPS", value)
     with pytest.raises(ConfigError, match="BLUNB_PEAK_TFLOPS"):
         MFUMeter.build(preset("tiny").model, seq_len=128, device_name="cpu")
+
+
+def test_chunked_ce_is_an_off_by_default_model_switch():
+    assert ModelConfig().chunked_ce is False
+    cfg = apply_overrides(preset("tiny"), ["chunked_ce=true"])
+    assert cfg.model.chunked_ce is True
+    cfg.model.chunked_ce = "yes"
+    with pytest.raises(ConfigError, match="model.chunked_ce must be true or false"):
+        cfg.validate()

@@ -82,3 +82,13 @@ def test_backward_reaches_every_parameter():
     model(idx, idx)[1].backward()
     for n, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
+
+
+def test_chunked_ce_returns_the_loss_without_logits():
+    model = BLU(tiny(chunked_ce=True), seed=0)
+    idx = torch.randint(0, 320, (2, 8))
+    logits, loss = model(idx, idx)
+    assert logits is None and loss.shape == () and loss.dtype == torch.float32
+    assert model(idx).shape == (2, 8, 320)  # without targets: the logits, as ever
+    assert model.precision_layout()["logits"] == "fp32 (chunked, never materialized)"
+    assert BLU(tiny(), seed=0).precision_layout()["logits"] == "fp32"

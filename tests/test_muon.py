@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from blunb.optim import ShardedMuon
-from blunb.optim.muon import build_muon, lpt_partition, muon_param_groups, ns_cost
+from blunb.optim import muon as muon_mod
+from blunb.optim.muon import adjust_lr_ratio, build_muon, lpt_partition, muon_param_groups, ns_cost
 from blunb.optim.newton_schulz import NewtonSchulz, graphs_enabled, zeropower_reference
 from tests.distributed import REPO, torchrun
 
@@ -121,10 +122,118 @@ def test_ns_engine_matches_torch_muon_bitwise_on_cpu():
     from torch.optim._muon import _zeropower_via_newtonschulz
     torch.manual_seed(0)
     ns = NewtonSchulz(graphs=False)
-    G = torch.randn(3, 40, 24)  # tall: batched through the transpose
+    G = torch.randn(3, 40, 24)  # tall: run in its own layout (X^T X), torch transposes it
     ref = torch.stack([_zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7) for g in G])
     assert torch.equal(ns(G), ref)
     assert torch.equal(zeropower_reference(G[0]), ref[0])
+
+
+SHAPES_BOTH_WAYS = [(37, 13), (13, 37), (64, 64), (3, 37, 13), (3, 13, 37), (3, 64, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES_BOTH_WAYS)
+def test_tall_ns_is_the_transposed_wide_ns_in_fp32(shape):
+    """The iteration on a tall X (A = X^T X, X <- a X + X B) is the wide one on X^T, transposed.
+    fp32 through the same chain (_ns is dtype-agnostic): only the summation order inside the
+    GEMMs may differ with the operand layout, ~1e-7 relative per product; five steps, each
+    amplifying a perturbation at most ~4x (the slope of a s + b s^3 + c s^5 where NS keeps the
+    singular values s), stay well under 1e-5 on O(1) entries (measured: <= 1.5e-6). A wrong
+    product order or a missing transpose is off by O(1)."""
+    torch.manual_seed(0)
+    ns = NewtonSchulz(graphs=False)
+    G = torch.randn(*shape)
+    G3 = G if G.dim() == 3 else G[None]
+    out = ns._ns(G3, (False, False))
+    torch.testing.assert_close(out, ns._ns(G3.mT.contiguous(), (False, False)).mT, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES_BOTH_WAYS)
+def test_tall_ns_is_the_transposed_wide_ns_in_bf16(shape):
+    """The engine as the optimizer runs it (bf16 staging, bf16 iterates), either orientation.
+    Each bf16 run is within ~2e-2 of exact NS (its iterates are rounded to bf16 every step:
+    the repo's bf16 NS tolerance; measured 1.2-1.7e-2 on these), so two runs whose roundings
+    fall differently (a square X: X X^T vs X^T X) agree within twice that; non-square, both
+    round the same products and agree far closer (bitwise on this CPU)."""
+    torch.manual_seed(0)
+    ns = NewtonSchulz(graphs=False)
+    G = torch.randn(*shape)
+    out = ns(G)
+    assert out.dtype == torch.bfloat16 and out.shape == G.shape
+    other = ns(G.mT.contiguous()).mT
+    tol = 4e-2 if shape[-1] == shape[-2] else 1e-2
+    assert float((out.float() - other.float()).norm() / other.float().norm()) < tol
+
+
+def _per_matrix_step(state, grads, *, lr, wd, mu, nesterov, ns):
+    """The matrix update written per parameter in plain ops, as _muon_step did before it worked
+    on whole shape groups: returns (rejected, worst update ratio), updates `state` in place."""
+    skip = not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    rejected, ratio = 0, 0.0
+    for st, g in zip(state, grads):
+        if g is None:
+            continue
+        g = torch.zeros_like(st["momentum_buffer"]) if skip else g.float()
+        st["momentum_buffer"].lerp_(g, 0.0 if skip else 1 - mu)
+        U = ns(g.lerp(st["momentum_buffer"], mu) if nesterov else st["momentum_buffer"])
+        if not float(U.abs().max()) <= muon_mod.GUARD_MAX_ABS:
+            rejected += 1
+            continue
+        ratio = max(ratio, float(U.float().norm()) / min(U.shape) ** 0.5)
+        if not skip:
+            st["master"].mul_(1 - lr * wd)
+            st["master"].addcmul_(U, torch.tensor(st["ratio"], dtype=torch.float32) * -lr)
+    return rejected, ratio
+
+
+@pytest.mark.parametrize("scratch", [muon_mod.SCRATCH_BYTES, 1])  # 1: every matrix is its own run
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_step_equals_the_per_matrix_step(dtype, nesterov, scratch, monkeypatch):
+    """Whole-group passes == the per-parameter step, bit for bit (same ops per element): tall,
+    wide, square, repeated and single shapes; a step where one matrix has no gradient, and a
+    step with an inf gradient (skipped: momenta kept, no update)."""
+    monkeypatch.setattr(muon_mod, "SCRATCH_BYTES", scratch)
+    torch.manual_seed(0)
+    shapes = [(8, 12), (12, 8), (8, 12), (5, 5), (12, 8), (7, 3), (12, 8)]
+    params = [nn.Parameter((torch.randn(s) * 0.5).to(dtype)) for s in shapes]
+    lr, wd, mu = 0.02, 0.1, 0.95
+    opt = ShardedMuon(params, lr=lr, momentum=mu, nesterov=nesterov, weight_decay=wd, verbose=False)
+    assert scratch > 1 or all(len(sg.runs) == len(sg.params) for sg in opt._groups)
+    ref = [{"master": p.detach().float().clone(), "momentum_buffer": torch.zeros(s),
+            "ratio": adjust_lr_ratio(s, "match_rms_adamw")} for p, s in zip(params, shapes)]
+    ns = NewtonSchulz(graphs=False)
+    for step in range(4):
+        grads = [None if (step == 1 and i == 1) else torch.randn(s).to(dtype) for i, s in enumerate(shapes)]
+        if step == 2:
+            grads[4][3, 2] = float("inf")
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        rejected, ratio = _per_matrix_step(ref, grads, lr=lr, wd=wd, mu=mu, nesterov=nesterov, ns=ns)
+        assert opt.ns_rejected_last_step == rejected == 0
+        assert opt.ns_max_update_ratio == pytest.approx(ratio, rel=1e-6)
+        for i, (p, r) in enumerate(zip(params, ref)):
+            st = opt.state[p]
+            assert torch.equal(st["momentum_buffer"], r["momentum_buffer"]), f"step {step} matrix {i}: momentum"
+            assert torch.equal(st["master"], r["master"]), f"step {step} matrix {i}: master"
+            assert torch.equal(p.detach(), r["master"].to(dtype)), f"step {step} matrix {i}: weight"
+    assert opt.skipped_steps == 1 and opt.rejected_ns_updates == 0
+
+
+def test_a_nan_update_is_rejected_and_leaves_the_master_as_it_was():
+    """NS gives NaN (here from NaN coefficients): rejected and counted, weight and master
+    untouched (0 * NaN is NaN: the update must be masked, not only scaled by 0), momentum stepped."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s)) for s in [(8, 12), (12, 8), (12, 8)]]
+    opt = ShardedMuon(params, lr=0.02, ns_coefficients=(float("nan"), 0.0, 0.0), verbose=False)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.ns_rejected_last_step == 3 and opt.ns_max_update_ratio == 0.0
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b) and torch.equal(opt.state[p]["master"], b)
+        assert bool(opt.state[p]["momentum_buffer"].ne(0).any())
 
 
 def test_polar_express_orthogonalizes():

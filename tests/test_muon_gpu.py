@@ -21,18 +21,20 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.parametrize("colmajor", [False, True])  # True: the X.mT view NS passes for a tall X
 @pytest.mark.parametrize("shape", [(1024, 4096), (2048, 2048), (3, 257, 512)])
-def test_syrk_bf16_matches_cublas(shape, tmp_path):
+def test_syrk_bf16_matches_cublas(shape, colmajor, tmp_path):
     from blunb.kernels.fused import syrk as fused
     torch.manual_seed(0)
     x = (torch.randn(*shape, device="cuda") / shape[-1] ** 0.5).bfloat16()
+    x = x.mT.contiguous().mT if colmajor else x  # same values, other layout
     out = fused.triton_syrk(x)  # autotunes this shape (cross-checked against cuBLAS) first
     assert _rel(out, x @ x.mT) < 1e-2
     a = x @ x.mT
     upd = fused.triton_syrk(a, 2.0315, -4.775, a)
     assert _rel(upd, fused.cublas(a, 2.0315, -4.775, a)) < 2e-2
     entries = json.loads((tmp_path / f"syrk_autotune_v{fused.CACHE_VERSION}.json").read_text())["entries"]
-    assert any(f"m{shape[-2]}|k{shape[-1]}" in k for k in entries)
+    assert any(f"m{shape[-2]}|k{shape[-1]}|c0|rowmajor{int(not colmajor)}" in k for k in entries)
     v = fused.verdict(x, has_c=False)
     assert v["backend"] in ("triton", "cublas") and v["cublas_ms"] > 0
     print(f"syrk {shape}: triton {v['triton_ms']} ms ({v['config']}) vs cuBLAS {v['cublas_ms']:.4f} ms "
@@ -40,7 +42,7 @@ def test_syrk_bf16_matches_cublas(shape, tmp_path):
 
 
 @pytest.mark.parametrize("syrk", [False, True])
-@pytest.mark.parametrize("shape", [(4, 256, 1024), (1, 512, 512), (2, 1024, 384)])
+@pytest.mark.parametrize("shape", [(4, 256, 1024), (1, 512, 512), (2, 1024, 384), (2, 2816, 512)])
 def test_graph_replay_is_bitwise_eager(shape, syrk):
     torch.manual_seed(0)
     eager, graphed = NewtonSchulz(graphs=False, syrk=syrk), NewtonSchulz(graphs=True, syrk=syrk)

@@ -96,6 +96,22 @@ def test_cache_actions_follow_the_run_folder(tmp_path):
     assert study._plan()[0].action == "overwrite"
 
 
+
+def test_a_config_field_added_after_the_run_keeps_it_cached_at_its_default(tmp_path):
+    study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)
+    (plan,) = study._plan()
+    older = json.loads(json.dumps(plan.config))
+    del older["ckpt_keep"], older["model"]["rope_interleaved"]   # as if both fields came in a later version
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(older))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+    write_status(plan.run_dir, "completed", 4, 4)
+    assert study._plan()[0].action == "cached"
+    # ... but not when the run asks for a non-default value of the field the stored run predates
+    assert Study("s", {"a": ["ckpt_keep=5"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
+    assert Study("s", {"a": ["model.rope_interleaved=true"]}, seeds=[0], steps=4,
+                 root=tmp_path)._plan()[0].action == "overwrite"
+
 def test_arm_seeds_replace_the_study_seeds_for_their_arms(tmp_path):
     study = Study("s", {"ab": [], "side": ["max_lr=1e-3"]}, seeds=[0], arm_seeds={"ab": [3, 4, 5]}, steps=4,
                   root=tmp_path)

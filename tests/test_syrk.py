@@ -20,6 +20,19 @@ def test_syrk_matches_reference(shape):
     torch.testing.assert_close(out, reference.syrk(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(70, 33), (3, 50, 17)])
+def test_syrk_takes_a_transposed_view(shape):
+    """Newton-Schulz passes a tall X as X.mT (column-major, no copy) for the Gram X^T X; the
+    autotune probe has that layout too, so the verdict is for the layout that runs."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape).mT
+    assert x.stride(-1) != 1
+    torch.testing.assert_close(fused.triton_syrk(x), reference.syrk(x), rtol=1e-5, atol=1e-5)
+    probe = fused._probe(x)
+    assert probe.shape == x.shape and probe.stride() == x.stride()
+    assert fused._probe(x.contiguous()).is_contiguous()
+
+
 def test_syrk_epilogue_and_mirror():
     torch.manual_seed(0)
     x = torch.randn(2, 40, 23)  # 40 rows: two 32-row tiles, so one mirrored off-diagonal tile

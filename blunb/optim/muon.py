@@ -81,6 +81,9 @@ from blunb.optim.zero_adamw import COLLECTIVES, REDUCE_DTYPES, _remove_hooks, _w
 log = logging.getLogger(__name__)
 
 GUARD_MAX_ABS = 1000.0
+# Cap on the step's fp32 gradient scratch: a shape group is stepped in runs of whole
+# matrices of at most this many bytes (a few kernels per run, bounded extra memory).
+SCRATCH_BYTES = 256 << 20
 ADJUST_LR = ("match_rms_adamw", "original")
 
 
@@ -112,14 +115,17 @@ def lpt_partition(costs: list[float], world: int) -> list[int]:
 
 @dataclass
 class _ShapeGroup:
-    """Owned matrices sharing a wide-orientation shape: one batched NS call."""
+    """Owned matrices of one shape (orientation included): one batched NS call in their own
+    layout, and their fp32 state in two [n, rows, cols] buffers (state[p] holds views), so
+    every elementwise pass over the group is a few contiguous kernels, not a few per matrix."""
     rows: int
     cols: int
-    params: list = field(default_factory=list)
-    tall: list = field(default_factory=list)      # stored [cols, rows]: transposed into the batch
-    ratios: list = field(default_factory=list)    # adjust_lr multiplier per matrix
-    ratio_t: torch.Tensor | None = None
-    has_grad_t: torch.Tensor | None = None        # all True: the common case needs no host->device copy
+    params: list
+    master: torch.Tensor
+    momentum: torch.Tensor
+    ratio_t: torch.Tensor                         # adjust_lr multiplier per matrix
+    has_grad_t: torch.Tensor                      # all True: the common case needs no host->device copy
+    runs: list                                    # [lo, hi) matrix ranges within SCRATCH_BYTES of fp32
 
 
 @dataclass
@@ -229,16 +235,13 @@ class ShardedMuon(torch.optim.Optimizer):
         self._owned_muon = [p for p in muon if self._owner[p] == self.rank]
         self._owned_aux = [p for p in aux if self._owner[p] == self.rank]
 
-        for p in self._owned_muon:
-            self.state[p] = {"master": p.detach().float().clone(),
-                             "momentum_buffer": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
+        self._groups = self._shape_groups(adjust_lr)   # also the matrices' state
         for p in self._owned_aux:  # each with its own step count, as torch.optim.AdamW
             self.state[p] = {"master": p.detach().float().clone(),
                              "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
                              "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
                              "adamw_step": torch.zeros((), dtype=torch.float32, device=p.device)}
 
-        self._groups = self._shape_groups(adjust_lr)
         self._buckets = self._build_buckets(target_buckets) if collective == "rs_ag" and self.world > 1 else []
         self._own_grad: dict[torch.Tensor, torch.Tensor] = {}
         self._no_grad: set[torch.Tensor] = set()   # owned tensors whose .grad was None at the reduce
@@ -267,7 +270,6 @@ class ShardedMuon(torch.optim.Optimizer):
         self._skipped, self._rejected_total = zero(), zero()
         self._rejected_last, self._ratio_last = zero(), zero()
         self._clip_stats: ClipStats | None = None
-        self._zero1 = torch.zeros(1, dtype=torch.float32, device=self.device)
         if verbose and self.rank == 0:
             log.info(self.describe())
 
@@ -293,17 +295,25 @@ class ShardedMuon(torch.optim.Optimizer):
         return muon, aux
 
     def _shape_groups(self, adjust_lr: str) -> list[_ShapeGroup]:
-        groups: dict[tuple[int, int], _ShapeGroup] = {}
+        """The owned matrices by shape, with their state allocated per group."""
+        by_shape: dict[tuple[int, int], list] = {}
         for p in self._owned_muon:
-            r, c = sorted(p.shape)
-            g = groups.setdefault((r, c), _ShapeGroup(r, c))
-            g.params.append(p)
-            g.tall.append(p.shape[0] > p.shape[1])
-            g.ratios.append(adjust_lr_ratio(p.shape, adjust_lr))
-        for g in groups.values():
-            g.ratio_t = torch.tensor(g.ratios, dtype=torch.float32, device=self.device)
-            g.has_grad_t = torch.ones(len(g.params), dtype=torch.bool, device=self.device)
-        return list(groups.values())
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        groups = []
+        for (rows, cols), ps in by_shape.items():
+            master = torch.empty(len(ps), rows, cols, dtype=torch.float32, device=self.device)
+            torch._foreach_copy_(list(master), [p.detach() for p in ps])
+            momentum = torch.zeros_like(master)
+            for p, m, b in zip(ps, master, momentum):
+                self.state[p] = {"master": m, "momentum_buffer": b}
+            per_run = max(1, SCRATCH_BYTES // (rows * cols * 4))
+            groups.append(_ShapeGroup(
+                rows, cols, ps, master, momentum,
+                ratio_t=torch.tensor([adjust_lr_ratio(p.shape, adjust_lr) for p in ps], dtype=torch.float32,
+                                     device=self.device),
+                has_grad_t=torch.ones(len(ps), dtype=torch.bool, device=self.device),
+                runs=[(lo, min(lo + per_run, len(ps))) for lo in range(0, len(ps), per_run)]))
+        return groups
 
     def _build_buckets(self, target: int) -> list[_Bucket]:
         everything = self._muon_params + self._aux_params
@@ -605,33 +615,31 @@ class ShardedMuon(torch.optim.Optimizer):
             has_grad = sg.has_grad_t
             if self._no_grad.intersection(sg.params):
                 has_grad = torch.tensor([p not in self._no_grad for p in sg.params]).to(self.device, non_blocking=True)
-            for i, (p, tall) in enumerate(zip(sg.params, sg.tall)):
-                if p in self._no_grad:       # not stepped: its momentum stays, its update is dropped below
-                    stage[i].zero_()
-                    continue
-                buf = self.state[p]["momentum_buffer"]
-                # a NaN must not reach the momentum: it would persist forever. A [1]-shaped fp32
-                # zero promotes a bf16 grad to fp32 in the same pass.
-                g = torch.where(found_inf, self._zero1, self._own_grad[p])
-                buf.lerp_(g, w_mom)
-                dst = stage[i].mT if tall else stage[i]
+            for lo, hi in sg.runs:
+                mom = sg.momentum[lo:hi]
+                # The run's gradients in fp32 (the copy casts), then zeroed on a skipped step: a NaN
+                # must not reach the momentum, it would persist forever. A matrix without a gradient
+                # lerps toward its own momentum (which thus stays); its update is dropped below.
+                g = torch.empty_like(mom)
+                torch._foreach_copy_(list(g), [mom[i] if p in self._no_grad else self._own_grad[p]
+                                               for i, p in enumerate(sg.params[lo:hi])])
+                g.masked_fill_(found_inf, 0.0)
+                mom.lerp_(g, w_mom)
                 if group["nesterov"]:
-                    torch.lerp(g, buf, mu, out=dst)   # fp32 math, rounded to bf16 like torch's .bfloat16()
+                    torch.lerp(g, mom, mu, out=stage[lo:hi])   # fp32 math, rounded to bf16 like torch's .bfloat16()
                 else:
-                    dst.copy_(buf)
+                    stage[lo:hi].copy_(mom)
+                del g  # back to the allocator before the next run and the NS
             U = self.ns.run(stage)
             good = torch.linalg.vector_norm(U, ord=math.inf, dim=(-2, -1)) <= GUARD_MAX_ABS  # NaN -> False
             fro = torch.linalg.vector_norm(U, dim=(-2, -1), dtype=torch.float32)
             rejected = rejected + (~good & has_grad).sum()
-            ratio = torch.maximum(ratio, torch.where(good & has_grad, fro / math.sqrt(sg.rows), 0.0).amax())
-            apply = good & keep & has_grad
-            decay = torch.where(apply, 1.0 - lr * wd, 1.0)
-            scale = torch.where(apply, sg.ratio_t * -lr, 0.0)
-            U = torch.where(apply[:, None, None], U, 0.0)
-            for i, (p, tall) in enumerate(zip(sg.params, sg.tall)):
-                master = self.state[p]["master"]
-                master.mul_(decay[i])
-                master.addcmul_(U[i].mT if tall else U[i], scale[i])
+            ratio = torch.maximum(ratio, torch.where(good & has_grad, fro / math.sqrt(min(sg.rows, sg.cols)),
+                                                     0.0).amax())
+            apply = (good & keep & has_grad)[:, None, None]
+            U.masked_fill_(~apply, 0.0)  # in place (NS allows it): a rejected U may hold NaN, and 0 * NaN = NaN
+            sg.master.mul_(torch.where(apply, 1.0 - lr * wd, 1.0))
+            sg.master.addcmul_(U, torch.where(apply, sg.ratio_t[:, None, None] * -lr, 0.0))
         return rejected, ratio
 
     def _aux_adamw_step(self, coef: torch.Tensor, found_inf: torch.Tensor) -> None:

@@ -1,12 +1,15 @@
 """Newton-Schulz orthogonalization engine for Muon: batched, CUDA-graph replayed, SYRK-aware.
 
 The math is torch.optim.Muon's `_zeropower_via_newtonschulz`, batched: same-shape
-matrices (a tall matrix joins its transpose's batch) run as one bmm chain in bf16,
-  X <- G / max(||G||_F, eps);  per step:  A = X X^T;  B = b A + c A A;  X <- a X + B X,
-on the wide orientation (rows <= cols). A A is a SYRK too (A is symmetric), so both
-products can go through the Triton SYRK, per shape, where its autotune verdict beat
-cuBLAS. "polar_express" swaps in the Polar Express per-step coefficients (Amsel et al.
-2025) with their 2% safety margin on the initial normalization.
+matrices run as one bmm chain in bf16,
+  X <- G / max(||G||_F, eps);  per step:  A = X X^T;  B = b A + c A A;  X <- a X + B X
+for a wide X (rows <= cols). A tall X runs in its own layout, A = X^T X;  X <- a X + X B:
+B is symmetric, so this is exactly the transpose of the wide form, and the caller's
+elementwise passes into and out of the batch stay contiguous (cuBLAS takes the transposed
+operands as flags, no copies). A A is a SYRK too (A is symmetric), so both products can
+go through the Triton SYRK, per shape and layout, where its autotune verdict beat cuBLAS.
+"polar_express" swaps in the Polar Express per-step coefficients (Amsel et al. 2025) with
+their 2% safety margin on the initial normalization.
 
 One NS call launches ~25 kernels from Python: that host cost, not the GEMMs, dominates
 small matrices. So on CUDA each (batch, rows, cols) slot is captured once as a CUDA
@@ -79,9 +82,10 @@ class NewtonSchulz:
 
     Typical use (what ShardedMuon does): `buf = ns.stage(b, m, n, device)`, write the
     b inputs into buf (any float dtype casts to bf16 on the copy), `out = ns.run(buf)`.
-    Or simply `out = ns(G)` for G [m, n] or [b, m, n] of either orientation. The result is
-    bf16 and, on CUDA, is the graph's static buffer: it stays valid until the next call
-    for the same shape, so consume (or clone) it before that.
+    Or simply `out = ns(G)` for G [m, n] or [b, m, n]. Either orientation runs as given
+    (see the module docstring). The result is bf16 [b, m, n] and, on CUDA, is the graph's
+    static buffer: it stays valid until the next call for the same shape, so consume (or
+    clone) it before that; the caller may modify it in place.
 
     graphs: None = on for CUDA unless BLUNB_NS_GRAPHS=0. syrk: None = per-shape autotune
     verdict on CUDA (never on CPU), True/False to force.
@@ -98,9 +102,7 @@ class NewtonSchulz:
 
     # -- staging ---------------------------------------------------------------------
     def stage(self, b: int, rows: int, cols: int, device) -> torch.Tensor:
-        """The persistent bf16 input buffer [b, rows, cols] (rows <= cols) of that slot."""
-        if rows > cols:
-            raise ValueError(f"stage takes the wide orientation (rows <= cols), got {rows} x {cols}")
+        """The persistent bf16 input buffer [b, rows, cols] of that slot."""
         key = (b, rows, cols, torch.device(device))
         slot = self._slots.get(key)
         if slot is None:
@@ -110,12 +112,9 @@ class NewtonSchulz:
     def __call__(self, G: torch.Tensor) -> torch.Tensor:
         squeeze = G.dim() == 2
         G3 = G.unsqueeze(0) if squeeze else G
-        tall = G3.shape[-2] > G3.shape[-1]
-        G3 = G3.mT if tall else G3
         buf = self.stage(G3.shape[0], G3.shape[1], G3.shape[2], G.device)
         buf.copy_(G3)
         out = self.run(buf)
-        out = out.mT if tall else out
         return out[0] if squeeze else out
 
     # -- execution -------------------------------------------------------------------
@@ -155,10 +154,10 @@ class NewtonSchulz:
         if self.syrk:
             return True, True
         from blunb.kernels.fused import syrk as fused_syrk
-        rows = stage.shape[1]
-        gram = fused_syrk.use_triton(stage, has_c=False)
-        square = torch.empty(stage.shape[0], rows, rows, dtype=stage.dtype, device=stage.device)
-        return gram, fused_syrk.use_triton(square, has_c=True)
+        wide = _wide(stage)  # the verdict is for the layout _ns passes: column-major for a tall slot
+        n = wide.shape[1]
+        square = torch.empty(stage.shape[0], n, n, dtype=stage.dtype, device=stage.device)
+        return fused_syrk.use_triton(wide, has_c=False), fused_syrk.use_triton(square, has_c=True)
 
     def _ns(self, X: torch.Tensor, syrk: tuple[bool, bool]) -> torch.Tensor:
         if syrk[0] or syrk[1]:
@@ -168,11 +167,18 @@ class NewtonSchulz:
             X = X / norm.clamp(min=self.eps)   # torch.optim.Muon's normalization
         else:
             X = X / (norm * self.safety + self.eps)
+        tall = X.shape[-2] > X.shape[-1]
         for a, b, c in self.coefficients:
-            A = triton_syrk(X) if syrk[0] else torch.bmm(X, X.mT)
+            Xw = _wide(X)
+            A = triton_syrk(Xw) if syrk[0] else torch.bmm(Xw, Xw.mT)
             B = triton_syrk(A, c, b, A) if syrk[1] else torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a)
+            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
         return X
+
+
+def _wide(X: torch.Tensor) -> torch.Tensor:
+    """X in the wide orientation: a transposed view of a tall X (no copy), X itself otherwise."""
+    return X.mT if X.shape[-2] > X.shape[-1] else X
 
 
 def zeropower_reference(G: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS, eps: float = EPS):

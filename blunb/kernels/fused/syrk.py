@@ -7,7 +7,7 @@ dot), stored in the input dtype.
 
 Newton-Schulz uses it twice per iteration: the Gram A = X X^T, and c*A@A + b*A, which
 is a SYRK too because A is symmetric (A@A = A A^T). Whether it beats cuBLAS depends on
-the shape, so every (device, dtype, batch, rows, cols, epilogue) is autotuned once on
+the shape, so every (device, dtype, batch, rows, cols, epilogue, layout) is autotuned once on
 the GPU against cuBLAS, timing kernel execution only, after a numerical cross-check
 against cuBLAS (a config beyond tolerance is rejected, loudly). Verdicts persist in a
 versioned JSON file, `$BLUNB_CACHE_DIR` or ~/.cache/blunb/, keyed by device and
@@ -237,15 +237,24 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    """A seeded random input of x's shape AND layout (the key's rowmajor): a column-major x
+    (the transposed view Newton-Schulz passes for a tall matrix) loads differently, so it
+    is timed as such."""
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    shape = x.shape if x.stride(-1) == 1 else x.shape[:-2] + (x.shape[-1], x.shape[-2])
+    xs = torch.randn(shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
+    xs = xs / math.sqrt(x.shape[-1])
+    return xs if x.stride(-1) == 1 else xs.mT
+
+
 def verdict(x: torch.Tensor, has_c: bool) -> dict:
-    """{"backend": "triton"|"cublas", "config", "triton_ms", "cublas_ms"} for x's shape."""
+    """{"backend": "triton"|"cublas", "config", "triton_ms", "cublas_ms"} for x's shape and layout."""
     key = _key(x, has_c)
     v = _cache.get(key)
     if v is not None:
         return v
-    gen = torch.Generator(device=x.device).manual_seed(0)
-    xs = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
-    xs = xs / math.sqrt(x.shape[-1])
+    xs = _probe(x)
     cs = cublas(xs) if has_c else None  # symmetric, as the epilogue requires
     alpha, beta = (2.0315, -4.775) if has_c else (1.0, 0.0)
     ref = cublas(xs, alpha, beta, cs)

@@ -1,0 +1,110 @@
+"""lm_head GEMM + cross-entropy in token chunks: the [N, V] logits and their gradient never exist whole.
+
+The unchunked path keeps the logits (in logit_dtype) for backward and then makes a gradient of the
+same size: at 1b (B8 x T2048 = 16384 tokens, V 50304) that is 2 x 3.3 GB in fp32. Here forward walks
+the tokens in chunks of `chunk_tokens`: logits_c = x_c @ weight^T in weight's dtype (the model's
+GEMM), cast to logit_dtype (the bf16_logits stage's rounding), then fp32 log-sum-exp and loss. With
+grad on, the same pass turns the chunk's logits into d loss / d logits_c = (softmax - onehot) / n_valid
+and runs both backward GEMMs on it, so only grad_x [N, d] and grad_weight [V, d] are kept; backward
+scales them by the incoming grad. The loss is the mean over non-ignored targets, 0.0 (not NaN) when
+every target is ignored, like kernels.cross_entropy.
+
+Plain torch, so it runs on the CPU and the GPU alike. The forward is a torch.library custom op with a
+fake implementation and registered autograd (why: blunb/kernels/__init__.py): torch.compile keeps it
+one opaque node, so Inductor cannot re-materialize the logits it exists to avoid.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# 4096 tokens x V 50304: the chunk's fp32 logits (0.8 GB, reused in place for their gradient) and one
+# bf16 copy (0.4 GB: the GEMM's output, later the backward GEMMs' input), against 6.6 GB for 1b's
+# whole fp32 pair; the GEMMs stay large (4096 x d x V).
+CHUNK_TOKENS = 4096
+
+
+# The forward returns grad_x and grad_weight as non-differentiable outputs only so autograd can save
+# them; linear_cross_entropy() drops them. Backward scales them out of place, so nothing is mutated.
+@torch.library.custom_op("blunb::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                             logit_dtype: torch.dtype, chunk_tokens: int,
+                             has_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, d loss / d x, d loss / d weight), the two gradients empty tensors unless has_grad."""
+    N = x.shape[0]
+    targets = targets.long()
+    valid = targets != ignore_index
+    n_valid = valid.sum().clamp(min=1)
+    loss_sum = x.new_zeros((), dtype=torch.float32)
+    if has_grad:
+        row_scale = valid / n_valid  # fp32; 0 on ignored rows: they get no gradient
+        grad_x = torch.empty((N, x.shape[1]), dtype=x.dtype, device=x.device)
+        # fp32 accumulator: in bf16 every chunk's add would round the running sum, an error growing with
+        # the chunk count; in fp32 each chunk's GEMM result is rounded once, as the unchunked GEMM's is.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for s in range(0, N, chunk_tokens):
+        e = min(s + chunk_tokens, N)
+        x_c, t = x[s:e], torch.where(valid[s:e], targets[s:e], 0)
+        z = F.linear(x_c, weight).to(logit_dtype).float()
+        # Everything below works in place on z, the chunk's one fp32 [chunk, V] buffer.
+        z -= z.amax(-1, keepdim=True)  # shifted by the row max: exp cannot overflow
+        z_t = z.gather(1, t[:, None]).squeeze(1)
+        sum_exp = z.exp_().sum(-1)
+        loss_sum += torch.where(valid[s:e], sum_exp.log() - z_t, 0.0).sum()  # lse - target logit
+        if not has_grad:
+            continue
+        scale = row_scale[s:e]
+        z *= (scale / sum_exp)[:, None]  # softmax / n_valid
+        z[torch.arange(e - s, device=z.device), t] -= scale  # - onehot / n_valid
+        # stored through logit_dtype as the unchunked path's gradient is; the GEMMs run in weight's dtype
+        g = z.to(logit_dtype).to(weight.dtype)
+        torch.mm(g, weight, out=grad_x[s:e])
+        if grad_w.dtype == g.dtype:  # fp32 weights: accumulate inside the GEMM, no [V, d] temporary
+            grad_w.addmm_(g.mT, x_c)
+        else:
+            grad_w += g.mT @ x_c
+    if not has_grad:
+        return loss_sum / n_valid, x.new_empty(0), weight.new_empty(0)
+    return loss_sum / n_valid, grad_x, grad_w.to(weight.dtype)
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad):
+    loss = x.new_empty((), dtype=torch.float32)
+    if not has_grad:
+        return loss, x.new_empty(0), weight.new_empty(0)
+    return loss, x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad_x, grad_w = output
+    ctx.save_for_backward(grad_x, grad_w)
+    ctx.mark_non_differentiable(grad_x, grad_w)
+    ctx.set_materialize_grads(False)  # the saved gradients get none: no zeros of their size are made
+
+
+def _backward(ctx, grad_loss, _grad_x, _grad_w):
+    grad_x, grad_w = ctx.saved_tensors
+    return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None
+
+
+linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         logit_dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None) -> torch.Tensor:
+    """fp32 mean cross-entropy of (x [N, d] @ weight [V, d]^T).to(logit_dtype) against targets [N]:
+    kernels.cross_entropy(F.linear(x, weight).to(logit_dtype), targets), without the [N, V] logits.
+    chunk_tokens=None: CHUNK_TOKENS, read at call time."""
+    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or targets.shape != x.shape[:1]:
+        raise ValueError(f"linear_cross_entropy expects x [N, d], weight [V, d], targets [N], got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must share a dtype (the GEMM's), got {x.dtype} and {weight.dtype}")
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    # decided here: inside the op grad mode is off, and validation skips the gradient work
+    has_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return linear_cross_entropy_fwd(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad)[0]
