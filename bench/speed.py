@@ -131,7 +131,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures (compile, autotune)")
     ap.add_argument("--blunb", action="append", metavar="NAME=K=V,K=V",
                     help="a blunb variant (repeatable); default: " + ", ".join(DEFAULT_BLUNB))
-    ap.add_argument("--no-eager-baseline", action="store_true", help="skip plain_eager")
+    ap.add_argument("--baselines", default="compile,eager",
+                    help="which plain baselines to run: compile, eager, both (default) or none")
     ap.add_argument("--profile-steps", type=int, default=3,
                     help="steps profiled after the timed ones (0: none); <out stem>_profile.csv and .png")
     ap.add_argument("--work", default="/tmp/blunb_speed")
@@ -148,7 +149,7 @@ def main() -> None:
     profiles: list[dict] = []
     profile_csv = out.with_name(out.stem + "_profile.csv")
     for preset_name in args.presets.split(","):
-        jobs = [("plain", True)] + ([] if args.no_eager_baseline else [("plain", False)])
+        jobs = [("plain", mode == "compile") for mode in ("compile", "eager") if mode in args.baselines.split(",")]
         jobs += [(name, spec) for name, spec in variants.items()]
         for name, spec in jobs:
             t0 = time.perf_counter()

@@ -42,18 +42,17 @@ def categorize(name: str) -> str:
 
 
 def _kernel_times(prof) -> list[tuple[str, float, int]]:
-    """(name, total microseconds, calls): device kernels when the profile has any, else CPU ops' self time."""
+    """(name, total microseconds, calls): the device kernels when the profile has any, else the CPU ops'
+    self time (self, so no op's time is counted again in its caller)."""
+    import torch
+
     averages = prof.key_averages()
-    device = [(e.key, e.self_device_time_total, e.count) for e in averages
-              if getattr(e, "self_device_time_total", 0) > 0 and str(e.device_type).endswith("CPU") is False]
-    if not device:  # CUDA kernels appear with the CUDA device type; some builds tag them on the op rows
-        device = [(e.key, e.self_device_time_total, e.count) for e in averages
-                  if getattr(e, "self_device_time_total", 0) > 0]
-    if device:
-        return device
-    # CPU: ops only (no ProfilerStep / user ranges), self time so nothing is counted twice
+    kernels = [(e.key, e.self_device_time_total, e.count) for e in averages
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    if kernels:
+        return kernels
     return [(e.key, e.self_cpu_time_total, e.count) for e in averages
-            if e.self_cpu_time_total > 0 and "::" in e.key]
+            if e.self_cpu_time_total > 0 and "::" in e.key]   # ops only: no ProfilerStep or user ranges
 
 
 def profile_table(prof, steps: int, top: int = 30) -> tuple[pd.DataFrame, pd.DataFrame]:
