@@ -144,7 +144,7 @@ def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B
     return {"variant": "plain_compile" if compile_model else "plain_eager", "preset": preset_name, "B": B, "T": T,
             "ms_per_step": dt * 1e3, "tok_per_s": tokens / dt, "mfu_causal": meter.mfu(dt, tokens),
             "mfu_palm": meter.mfu_palm(dt, tokens), "peak_mem_gib": peak,
-            "warmup_s": warm_s, "timed_steps": steps, "final_loss": float(loss), "num_params":
+            "warmup_s": warm_s, "timed_steps": steps, "final_loss": float(loss.detach()), "num_params":
             sum(p.numel() for p in model.parameters())}
 
 

@@ -603,6 +603,27 @@ def mean_ci(values, confidence: float = 0.95) -> MeanCI:
     return MeanCI(mean, mean - half, mean + half, n)
 
 
+
+def diff_ci(a, b, confidence: float = 0.95) -> MeanCI:
+    """mean(a) - mean(b) of two independent samples with Welch's t interval (unequal variances;
+    the Welch-Satterthwaite df rounded down, which only widens the interval). NaNs are dropped; n is
+    the smaller sample's size; fewer than two values on a side gives a NaN interval."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    xs, ys = ([float(v) for v in vals if not math.isnan(float(v))] for vals in (a, b))
+    nan = float("nan")
+    if not xs or not ys:
+        return MeanCI(nan, nan, nan, 0)
+    diff = statistics.fmean(xs) - statistics.fmean(ys)
+    if len(xs) < 2 or len(ys) < 2:
+        return MeanCI(diff, nan, nan, min(len(xs), len(ys)))
+    va, vb = statistics.variance(xs) / len(xs), statistics.variance(ys) / len(ys)
+    if va + vb == 0:
+        return MeanCI(diff, diff, diff, min(len(xs), len(ys)))
+    df = (va + vb) ** 2 / (va ** 2 / (len(xs) - 1) + vb ** 2 / (len(ys) - 1))
+    half = _t_quantile(confidence, max(1, math.floor(df))) * math.sqrt(va + vb)
+    return MeanCI(diff, diff - half, diff + half, min(len(xs), len(ys)))
+
 def curve_band(metrics_long: pd.DataFrame, metric: str = "val_loss", confidence: float = 0.95) -> pd.DataFrame:
     """Per arm and step, the mean of `metric` across seeds and its t-based CI (mean_ci): columns
     arm, step, mean, low, high, n. What a loss-curve plot with a CI band draws."""

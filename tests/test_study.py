@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from blunb.study import (
     _slots,
     first_crossing,
     matched_step_difference,
+    diff_ci,
     mean_ci,
     run_study,
 )
@@ -341,3 +343,20 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "blunb.study", str(tmp_path / "nope.ipynb")], capture_output=True,
                          text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "no notebook at" in bad.stderr
+
+
+def test_diff_ci_is_welchs_interval():
+    # equal sizes and variances: Welch's df is 2n - 2 and the interval is the pooled t interval
+    a, b = [1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0]
+    ci = diff_ci(a, b)
+    half = 2.4469118511 * math.sqrt(2 * statistics.variance(a) / 4)   # t(0.975, df=6)
+    assert ci.mean == pytest.approx(1.0) and ci.n == 4
+    assert (ci.low, ci.high) == pytest.approx((1.0 - half, 1.0 + half), rel=1e-6)
+    # one noisy side: the df falls toward that side's n - 1, so the interval is wider than a pooled-df one
+    noisy_a, quiet_b = [0.0, 10.0, -10.0, 5.0], [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]
+    se = math.sqrt(statistics.variance(noisy_a) / 4 + statistics.variance(quiet_b) / 6)
+    noisy = diff_ci(noisy_a, quiet_b)
+    assert noisy.high - noisy.mean > 2.2621571628 * se   # t(0.975, df=9 = 4 + 6 - 1)
+    one = diff_ci([1.0], [2.0, 3.0])
+    assert one.mean == pytest.approx(-1.5) and math.isnan(one.low)
+    assert diff_ci([2.0, 2.0], [1.0, 1.0]) == (1.0, 1.0, 1.0, 2)
