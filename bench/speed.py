@@ -32,11 +32,14 @@ from blunb.config import preset
 
 log = logging.getLogger("speed")
 
+# blunb eager, compiled (with and without the fused kernels), compiled with the chunked lm_head + loss
 DEFAULT_BLUNB = {
     "adamw": "optimizer=adamw",
     "adamw-compile": "optimizer=adamw,compile=true",
     "adamw-compile-torchkernels": "optimizer=adamw,compile=true,kernels=torch",
+    "adamw-compile-chunked": "optimizer=adamw,compile=true,model.chunked_ce=true",
     "muon": "optimizer=muon",
+    "muon-compile-chunked": "optimizer=muon,compile=true,model.chunked_ce=true",
 }
 
 
