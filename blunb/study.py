@@ -603,7 +603,6 @@ def mean_ci(values, confidence: float = 0.95) -> MeanCI:
     return MeanCI(mean, mean - half, mean + half, n)
 
 
-
 def diff_ci(a, b, confidence: float = 0.95) -> MeanCI:
     """mean(a) - mean(b) of two independent samples with Welch's t interval (unequal variances;
     the Welch-Satterthwaite df rounded down, which only widens the interval). NaNs are dropped; n is
@@ -623,6 +622,7 @@ def diff_ci(a, b, confidence: float = 0.95) -> MeanCI:
     df = (va + vb) ** 2 / (va ** 2 / (len(xs) - 1) + vb ** 2 / (len(ys) - 1))
     half = _t_quantile(confidence, max(1, math.floor(df))) * math.sqrt(va + vb)
     return MeanCI(diff, diff - half, diff + half, min(len(xs), len(ys)))
+
 
 def curve_band(metrics_long: pd.DataFrame, metric: str = "val_loss", confidence: float = 0.95) -> pd.DataFrame:
     """Per arm and step, the mean of `metric` across seeds and its t-based CI (mean_ci): columns

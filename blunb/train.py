@@ -503,7 +503,7 @@ class _PendingStep:
     last_val: float | None          # the latest validation loss when the step ran
     stats: StepStats
     scalars: _HostCopy
-    opt_timer: "_OptTimer"
+    opt_timer: _OptTimer
     end: float = 0.0
 
 
