@@ -3,8 +3,8 @@
 import json
 import logging
 import math
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 
@@ -21,9 +21,9 @@ from blunb.study import (
     Study,
     StudyError,
     _slots,
+    diff_ci,
     first_crossing,
     matched_step_difference,
-    diff_ci,
     mean_ci,
     run_study,
 )
