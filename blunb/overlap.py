@@ -44,10 +44,12 @@ measured on one device, and a MODEL of the communication a W-rank run could hide
    Newton-Schulz cost, applied to the whole Muon set). Ignored: rank skew (the seed measured it to
    dominate bucketed reduce-scatters on 8 x H100), SM contention between NCCL and compute, NVLS.
 
-Measured multi-GPU step times (the multi-GPU issue writes them), read by `load_measured`:
+Measured multi-GPU step times (bench/overlap_grid.py writes them), read by `load_measured`:
   results/overlap/multi_gpu_*.csv, one row per run: preset, optimizer, world_size, nodes,
   collective, muon_collective, reduce_dtype, overlap_backward, overlap_refresh, bucket_mb,
-  muon_buckets, B, T, global_batch, step_ms (steady-state mean), device, torch.
+  muon_buckets, B, T, global_batch, step_ms (steady-state mean), device, torch; further columns are
+  kept. Its torch baselines (optimizer ddp_adamw, torch_zero) have no timeline: `predict_measured`
+  leaves them out.
   results/bench/zero.csv (bench/zero.py: 1b, W = 2, one micro-step per step) is read as well.
 """
 
