@@ -1,6 +1,9 @@
 """Time forward+backward of the fused kernels against torch eager, torch.compile and Liger.
 
 Run on a CUDA GPU:  PYTHONPATH=. python3 bench/kernels.py [--out results/bench/kernels.csv]
+At a preset's real shapes and dtypes (RMSNorm on the fp32 residual stream, QK-norm + RoPE on the
+projections' strided views, SwiGLU at its ffn width, fp32 logits at its vocab):
+                    PYTHONPATH=. python3 bench/kernels.py --preset 1b --out results/bench/kernels_1b.csv
 
 Every impl of an op gets the same fresh random inputs and one output gradient, and is
 timed as forward + torch.autograd.grad (no .grad accumulation) with
@@ -89,10 +92,28 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def case_rms_norm(liger):
-    M, N, eps = 16384, 4096, 1e-6
-    x = torch.randn(M, N, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(N, device=DEV)).to(torch.bfloat16).requires_grad_()
+# The shapes of the default run (no --preset): each case reads what it needs from this dict.
+DEFAULT_SHAPES = dict(M=16384, d=4096, resid_dtype=torch.bfloat16, B=8, Hq=16, Hkv=8, T=2048, hd=128, ffn=8192,
+                      V=50304)
+
+
+def preset_shapes(name: str) -> dict:
+    """The shapes and dtypes `name`'s model runs these ops at on a GPU (one micro-batch of B x T)."""
+    from blunb.config import preset
+
+    cfg = preset(name)
+    c = cfg.model
+    return dict(M=cfg.B * cfg.T, d=c.d_model, resid_dtype=torch.bfloat16 if c.bf16_resid else torch.float32,
+                B=cfg.B, Hq=c.q_heads, Hkv=c.kv_heads, T=cfg.T, hd=c.head_dim, ffn=c.ffn_hidden, V=c.vocab_size)
+
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def case_rms_norm(liger, shapes):
+    M, N, eps, dtype = shapes["M"], shapes["d"], 1e-6, shapes["resid_dtype"]
+    x = torch.randn(M, N, device=DEV, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(N, device=DEV)).to(dtype).requires_grad_()
     dy = torch.randn_like(x)
     impls = {
         "blunb_triton": lambda x, w: tri_rms(x, w, eps),
@@ -102,11 +123,12 @@ def case_rms_norm(liger):
     }
     if liger is not None:
         impls["liger"] = lambda x, w: liger.LigerRMSNormFunction.apply(x, w, eps)
-    return "rms_norm", f"{M}x{N}", "bf16", 5 * x.numel() * 2, {k: _Case(f, [x, w], [dy]) for k, f in impls.items()}
+    return "rms_norm", f"{M}x{N}", DTYPE_NAMES[dtype], 5 * x.numel() * x.element_size(), \
+        {k: _Case(f, [x, w], [dy]) for k, f in impls.items()}
 
 
-def case_qk_norm_rope(liger):  # Liger has no fused QK-norm + RoPE
-    B, Hq, Hk, T, hd, eps = 8, 16, 8, 2048, 128, 1e-6
+def case_qk_norm_rope(liger, shapes):  # Liger has no fused QK-norm + RoPE
+    B, Hq, Hk, T, hd, eps = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["T"], shapes["hd"], 1e-6
     # the model's layout: projection outputs [B,T,H*hd] viewed as [B,H,T,hd]
     q = torch.randn(B, T, Hq * hd, device=DEV, dtype=torch.bfloat16).view(B, T, Hq, hd).transpose(1, 2)
     k = torch.randn(B, T, Hk * hd, device=DEV, dtype=torch.bfloat16).view(B, T, Hk, hd).transpose(1, 2)
@@ -125,8 +147,8 @@ def case_qk_norm_rope(liger):  # Liger has no fused QK-norm + RoPE
     return "qk_norm_rope", shape, "bf16", nbytes, {k_: _Case(f, [q, k, qg, kg], [dq, dk]) for k_, f in impls.items()}
 
 
-def case_swiglu(liger):
-    M, F = 16384, 8192
+def case_swiglu(liger, shapes):
+    M, F = shapes["M"], shapes["ffn"]
     gu = torch.randn(M, 2 * F, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, F, device=DEV, dtype=torch.bfloat16)
     impls = {"blunb_triton": tri_swiglu, "torch_eager": ref.swiglu, "torch_compile": _compiled(ref.swiglu)}
@@ -135,8 +157,8 @@ def case_swiglu(liger):
     return "swiglu", f"{M}x(2x{F})", "bf16", 8 * F * M * 2, {k: _Case(f, [gu], [dy]) for k, f in impls.items()}
 
 
-def case_cross_entropy(liger, dtype):
-    N, V = 16384, 50304
+def case_cross_entropy(liger, shapes, dtype):
+    N, V = shapes["M"], shapes["V"]
     logits = (2 * torch.randn(N, V, device=DEV)).to(dtype).requires_grad_()
     targets = torch.randint(0, V, (N,), device=DEV)
     impls = {
@@ -146,7 +168,7 @@ def case_cross_entropy(liger, dtype):
     }
     if liger is not None:  # Liger writes its gradient into the logits in place
         impls["liger"] = lambda lg, t: liger.LigerCrossEntropyFunction.apply(lg, t, None, -100)[0]
-    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    name = DTYPE_NAMES[dtype]
     nbytes = 2 * logits.numel() * logits.element_size()
     runs = {k: _Case(f, [logits, targets], None) for k, f in impls.items()}
     return "cross_entropy", f"{N}x{V}", name, nbytes, runs
@@ -156,7 +178,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/bench/kernels.csv")
     ap.add_argument("--ops", default="copy,rms_norm,qk_norm_rope,swiglu,ce_bf16,ce_fp32")
+    ap.add_argument("--preset", help="time at this preset's shapes and dtypes (default: the fixed shapes above)")
     args = ap.parse_args()
+    shapes = preset_shapes(args.preset) if args.preset else DEFAULT_SHAPES
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     ops = args.ops.split(",")
     device = torch.cuda.get_device_name()
@@ -175,13 +199,13 @@ def main():
     print(f"device {device}: copy bandwidth {copy_bw:.0f} GB/s")
     write()
     cases = {"rms_norm": case_rms_norm, "qk_norm_rope": case_qk_norm_rope, "swiglu": case_swiglu,
-             "ce_bf16": lambda lg: case_cross_entropy(lg, torch.bfloat16),
-             "ce_fp32": lambda lg: case_cross_entropy(lg, torch.float32)}
+             "ce_bf16": lambda lg, sh: case_cross_entropy(lg, sh, torch.bfloat16),
+             "ce_fp32": lambda lg, sh: case_cross_entropy(lg, sh, torch.float32)}
     liger = _liger()
     for key in ops:
         if key == "copy":
             continue
-        op, shape, dtype, nbytes, impls = cases[key](liger)
+        op, shape, dtype, nbytes, impls = cases[key](liger, shapes)
         times = {}
         for impl, case in impls.items():
             try:
