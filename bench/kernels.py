@@ -88,7 +88,9 @@ class _Case:
 
 def _compiled(fn):
     # donated buffers (a memory saving) forbid the retained graph that times backward alone
-    torch._functorch.config.donated_buffer = False
+    from torch._functorch import config as functorch_config
+
+    functorch_config.donated_buffer = False
     return torch.compile(fn, dynamic=False)
 
 
