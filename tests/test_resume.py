@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 STEPS, FREQ = 16, 4
 # Columns that measure time differ between any two runs; everything else must be equal.
-TIMING = {"tok_per_sec", "dt_ms", "elapsed_min", "mfu", "mfu_palm", "tflops_per_gpu", "peak_mem_gib"}
+TIMING = {"tok_per_sec", "dt_ms", "elapsed_min", "mfu", "mfu_palm", "tflops_per_gpu", "opt_step_ms", "peak_mem_gib"}
 CASES = {
     "adamw": ["optimizer=adamw"],
     "adamw-overlaps-globalclip": ["optimizer=adamw", "overlap_backward=true", "overlap_refresh=true",
