@@ -11,7 +11,7 @@ NPROC ?= 2
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: env check-env study studies test lint bench clean-env
+.PHONY: env check-env study studies test lint bench bench-speed clean-env
 
 env: $(STAMP)
 
@@ -59,6 +59,12 @@ bench:
 	PYTHONPATH=. python3 bench/kernels.py
 	PYTHONPATH=. python3 bench/attention.py
 	PYTHONPATH=. python3 bench/muon.py
+
+# The speed issue's same-run comparison (one GPU, ~15 min): the trainer vs a plain torch.compile'd
+# Llama with both sides' profiles, then each fused kernel at the 1b preset's real shapes.
+bench-speed:
+	PYTHONPATH=. python3 bench/speed.py --presets 1b,124m --out results/bench/speed.csv
+	PYTHONPATH=. python3 bench/kernels.py --preset 1b --out results/bench/kernels_1b.csv
 
 clean-env:
 	rm -rf $(VENV)
