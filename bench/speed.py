@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import torch
 
 from bench.train_presets import run_trainer_variant
 from blunb.config import preset
+from blunb.runs import environment
 
 log = logging.getLogger("speed")
 
@@ -41,16 +41,6 @@ DEFAULT_BLUNB = {
     "muon": "optimizer=muon",
     "muon-compile-chunked": "optimizer=muon,compile=true,model.chunked_ce=true",
 }
-
-
-def _versions() -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda}
 
 
 def _profile(csv: Path, preset_name: str, variant: str) -> list[dict]:
@@ -147,7 +137,9 @@ def main() -> None:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    facts = {**_versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    env = environment(1, "cuda")   # what every run folder's env.json records, the git sha included
+    facts = {**{k: env[k] for k in ("device", "torch", "triton", "cuda", "git_sha")},
+             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows: list[dict] = []
     profiles: list[dict] = []
     profile_csv = out.with_name(out.stem + "_profile.csv")
