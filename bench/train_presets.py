@@ -25,11 +25,12 @@ from blunb.runs import load_run, steady_aggregates
 def run_trainer_variant(preset: str, name: str, overrides: list[str], *, steps: int, warmup: int, nproc: int,
                         runs_dir: str | Path, profile_steps: int = 0) -> dict:
     """One real `blunb.train` run (under torchrun when nproc > 1) -> its steady-state row. With
-    profile_steps, that many more steps run under the profiler (run folder's profile.csv), outside the
-    steady window."""
+    profile_steps, that many more steps run under the profiler (run folder's profile.csv), then the
+    last one (which the trainer keeps out of the profile), all outside the steady window."""
+    timed = steps
     if profile_steps:
         overrides = [*overrides, f"profile_steps={profile_steps}"]
-        steps += profile_steps
+        steps += profile_steps + 1
     run_dir = Path(runs_dir) / f"{preset}-w{nproc}-{name}"
     train_args = ["--preset", preset, "--max-steps", str(steps), "--run-dir", str(run_dir),
                   "--overwrite"] + [a for kv in overrides for a in ("--set", kv)]
@@ -41,7 +42,7 @@ def run_trainer_variant(preset: str, name: str, overrides: list[str], *, steps: 
         return {"variant": name, "status": f"failed ({proc.returncode})", "overrides": " ".join(overrides)}
     run = load_run(run_dir)
     m = run.metrics
-    steady = m[(m["step"] >= warmup) & (m["step"] < steps - profile_steps)]
+    steady = m[(m["step"] >= warmup) & (m["step"] < timed)]
     return {
         "variant": name, "status": "ok", "preset": preset, "nproc": nproc,
         "optimizer": run.config["optimizer"], "kernels": run.config["kernels"],

@@ -164,14 +164,14 @@ class TrainConfig:
     seed: int = 1337
     data: str = "default"           # "default" (embedded corpus) or a folder of .bin shards
     device: str = "auto"            # "auto" | "cpu" | "cuda"
-    kernels: str = "auto"           # "auto" | "torch" | "triton"
+    kernels: str = "auto"           # "auto" | "torch" | "triton" | per op, e.g. "swiglu=torch,qk_norm_rope=torch"
     compile: bool = False           # torch.compile the model (forward + backward); the optimizers stay eager
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
     ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
     ckpt_keep: int = 2              # the newest this many valid checkpoints are kept
-    # torch.profiler over the run's last this many steps (rank 0): profile.csv (GPU time per step by
-    # category) and profile_kernels.csv in the run folder. Profiled steps run slower: leave them out of
-    # throughput figures.
+    # torch.profiler over this many steps before the last (rank 0; fewer when a validation falls among
+    # them: the profile holds training steps only): profile.csv (GPU time per step by category) and
+    # profile_kernels.csv in the run folder. Profiled steps run slower: leave them out of throughput figures.
     profile_steps: int = 0
 
     def grad_accum_steps(self, world_size: int) -> int:
@@ -207,8 +207,12 @@ class TrainConfig:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        from blunb.kernels import parse_backends
+
+        try:
+            parse_backends(self.kernels)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be true or false, got {self.compile!r}")
         _check_lr_pair("max_lr", self.max_lr, "min_lr", self.min_lr)
@@ -224,9 +228,9 @@ class TrainConfig:
             for step, rank in _parse_faults(name, getattr(self, name)):
                 if rank >= world_size:
                     raise ConfigError(f"{name}: rank {rank} (step {step}) does not exist at world_size {world_size}")
-        if not 0 <= self.profile_steps < self.max_steps:
-            raise ConfigError(f"profile_steps must be >= 0 and < max_steps ({self.max_steps}), "
-                              f"got {self.profile_steps}")
+        if not 0 <= self.profile_steps < self.max_steps - 1:
+            raise ConfigError(f"profile_steps must be >= 0 and < max_steps - 1 ({self.max_steps - 1}: the steps "
+                              f"before the last), got {self.profile_steps}")
         if self.ckpt_freq < 0 or self.ckpt_keep < 1:
             raise ConfigError(f"ckpt_freq must be >= 0 (0 = off) and ckpt_keep >= 1, got {self.ckpt_freq} and "
                               f"{self.ckpt_keep}")

@@ -47,8 +47,11 @@ def _kernel_times(prof) -> list[tuple[str, float, int]]:
     import torch
 
     averages = prof.key_averages()
+    # record_function ranges (the optimizers' "Optimizer.step#...") also get a device-side span that
+    # covers the kernels they launched: counting it would count those kernels twice.
     kernels = [(e.key, e.self_device_time_total, e.count) for e in averages
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+               and not getattr(e, "is_user_annotation", False)]
     if kernels:
         return kernels
     return [(e.key, e.self_cpu_time_total, e.count) for e in averages

@@ -615,15 +615,28 @@ def _step_line(step, train_loss, last_val, row, rec: StepRecord, lrs, skipped_to
     return line
 
 
+def _validation_due(cfg: TrainConfig, step: int) -> bool:
+    return step % cfg.val_freq == 0 or step == cfg.max_steps - 1
+
+
 def _validate_if_due(run: _Run, step: int) -> float | None:
     cfg = run.cfg
-    if step % cfg.val_freq and step != cfg.max_steps - 1:
+    if not _validation_due(cfg, step):
         return None
     run.opt.drain()  # install any staged parameter refresh before reading the weights
     run.last_val = evaluate(run.model, run.val_set, cfg.B, run.device, run.world_size)
     if run.rank == 0:
         write_status(run.run_dir, "running", step, cfg.max_steps)
     return run.last_val
+
+
+def _profile_window(cfg: TrainConfig, start_step: int) -> range:
+    """The steps profile_steps profiles: the ones before the last (whose validation would land in the
+    profile), cut short at the first validation or checkpoint inside, so it holds training steps only."""
+    first = max(start_step, cfg.max_steps - 1 - cfg.profile_steps)
+    stop = next((s for s in range(first + 1, cfg.max_steps)
+                 if _validation_due(cfg, s) or (cfg.ckpt_freq and s % cfg.ckpt_freq == 0)), cfg.max_steps - 1)
+    return range(first, stop) if cfg.profile_steps else range(0)
 
 
 def _start_profiler(device: torch.device):
@@ -638,12 +651,15 @@ def _start_profiler(device: torch.device):
     return profiler
 
 
-def _write_profile(profiler, steps: int, run_dir: Path) -> None:
+def _stop_profiler(profiler, run: _Run, window: range) -> None:
     from blunb.profiling import write_profile
 
-    categories = write_profile(profiler, steps, run_dir)
-    log.info(f"profile of the last {steps} step(s), ms per step by category (profile.csv, profile_kernels.csv):\n"
-             + categories.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)  # every stream: the last step's kernels belong in the profile
+    profiler.stop()
+    categories = write_profile(profiler, len(window), run.run_dir)
+    log.info(f"profile of steps {window.start}-{window.stop - 1}, ms per step by category (profile.csv, "
+             "profile_kernels.csv):\n" + categories.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
 
 # ---------------------------------------------------------------- the loop
@@ -664,8 +680,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
     device = _pick_device(cfg, local_rank)
     if cfg.kernels != "auto":
         os.environ["BLUNB_KERNELS"] = cfg.kernels
-    if cfg.kernels == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("kernels=triton on the CPU runs only under the Triton interpreter: set TRITON_INTERPRET=1")
+    if "triton" in kernels.parse_backends(cfg.kernels).values() and device.type == "cpu" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"kernels={cfg.kernels} on the CPU: Triton runs there only under the interpreter, "
+                          "set TRITON_INTERPRET=1")
     _init_distributed(cfg, device, world_size)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_killed) \
         if threading.current_thread() is threading.main_thread() else None
@@ -676,30 +694,29 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume))
         run.start += time.perf_counter()
         pending = None                      # the previous step, until its scalars are read
-        profiler, profiled, profile_from = None, 0, cfg.max_steps - cfg.profile_steps
+        profiler, profile_window = None, (_profile_window(cfg, run.start_step) if rank == 0 else range(0))
         for step in range(run.start_step, cfg.max_steps):
             if (step, rank) in run.stall_at:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if pending is not None:
                 pending.end = time.perf_counter()
+            if profiler is not None and step == profile_window.stop:
+                _stop_profiler(profiler, run, profile_window)
+                profiler = None
             if cfg.ckpt_freq and step > run.start_step and step % cfg.ckpt_freq == 0:
                 if pending is not None:  # the checkpoint holds only steps that passed the health checks
                     finish_step(run, pending)
                     pending = None
                 _save_checkpoint(run, step)
             val_loss = _validate_if_due(run, step)
-            if profiler is None and rank == 0 and cfg.profile_steps and step == max(run.start_step, profile_from):
+            if step == profile_window.start and len(profile_window):
                 profiler = _start_profiler(device)
-                profiled = cfg.max_steps - step
             previous = pending
             pending = train_step(run, step, val_loss,
                                  finish_previous=(lambda p=previous: finish_step(run, p)) if previous else None)
         run.opt.drain()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if profiler is not None:
-            profiler.stop()
-            _write_profile(profiler, profiled, run_dir)
         if pending is not None:  # None when a resumed run had nothing left to do
             pending.end = time.perf_counter()
             finish_step(run, pending)

@@ -123,6 +123,10 @@ def test_non_finite_floats_are_rejected_by_name(name, value):
     (["nan_policy=ignore"], "nan_policy must be one of"),
     (["collective_timeout_s=0"], "collective_timeout_s must be positive"),
     (["val_tokens=-1"], "val_tokens must be >= 0"),
+    (["kernels=fast"], "kernels must be auto, torch, triton or op=backend"),
+    (["kernels=swiglu=cuda"], "kernels must be auto, torch, triton or op=backend"),
+    (["kernels=softmax=torch"], "kernels must be auto, torch, triton or op=backend"),
+    (["kernels=swiglu"], "kernels must be auto, torch, triton or op=backend"),
 ])
 def test_more_validation_errors(overrides, message):
     cfg = apply_overrides(preset("tiny"), overrides)

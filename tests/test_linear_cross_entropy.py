@@ -39,9 +39,9 @@ def unchunked(x, w, targets, logit_dtype=torch.float32):
     return reference.cross_entropy(F.linear(x, w).to(logit_dtype), targets)
 
 
-def assert_matches_unchunked(x, w, targets, logit_dtype, chunk_tokens):
+def assert_matches_unchunked(x, w, targets, logit_dtype, chunk_tokens, backend="torch"):
     loss, gx, gw = loss_and_grads(linear_cross_entropy, x, w, targets, logit_dtype=logit_dtype,
-                                  chunk_tokens=chunk_tokens)
+                                  chunk_tokens=chunk_tokens, backend=backend)
     ref_loss, ref_gx, ref_gw = loss_and_grads(unchunked, x, w, targets, logit_dtype=logit_dtype)
     assert loss.dtype == torch.float32 and (gx.dtype, gw.dtype) == (x.dtype, w.dtype)
     # The loss is fp32 math on the same logits either way (per-row GEMMs do not depend on the chunking),
@@ -70,6 +70,21 @@ def assert_matches_unchunked(x, w, targets, logit_dtype, chunk_tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32_weight", "bf16_weight"])
 def test_loss_and_grads_match_the_unchunked_path(dtype, logit_dtype, chunk_tokens):
     assert_matches_unchunked(*inputs(dtype), logit_dtype, chunk_tokens)
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 64], ids=lambda c: f"chunk{c}")
+def test_the_fused_chunks_match_the_unchunked_path(chunk_tokens):
+    """The Triton cross-entropy kernel in place over each chunk's logits (the CUDA path), here under the
+    Triton interpreter, so fp32 only (its bf16 arithmetic is not the GPU's; tests/test_speed_gpu.py
+    checks bf16 on CUDA): the same bar as the plain chunks, a custom ignore_index and eval included."""
+    pytest.importorskip("triton")
+    x, w, targets = inputs(torch.float32)
+    assert_matches_unchunked(x, w, targets, torch.float32, chunk_tokens, backend="triton")
+    targets[targets == -100] = 5
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, targets, ignore_index=5, chunk_tokens=chunk_tokens, backend="triton")
+    torch.testing.assert_close(loss, reference.cross_entropy(F.linear(x, w), targets, ignore_index=5),
+                               rtol=1e-5, atol=0)
 
 
 def test_the_incoming_grad_scales_both_gradients():
@@ -103,7 +118,7 @@ def test_gradient_work_only_when_some_input_needs_it(monkeypatch):
     real = lce.linear_cross_entropy_fwd
 
     def spy(*args):
-        seen.append(args[-1])
+        seen.append(args[-2])  # has_grad
         return real(*args)
 
     monkeypatch.setattr(lce, "linear_cross_entropy_fwd", spy)
@@ -113,7 +128,7 @@ def test_gradient_work_only_when_some_input_needs_it(monkeypatch):
     linear_cross_entropy(x.detach(), w, targets, chunk_tokens=8)
     assert seen == [False, False, True] and not loss.requires_grad
     torch.testing.assert_close(loss, unchunked(x, w, targets), rtol=1e-5, atol=0)
-    _, grad_x, grad_w = real(x.detach(), w.detach(), targets, -100, torch.float32, 8, False)
+    _, grad_x, grad_w = real(x.detach(), w.detach(), targets, -100, torch.float32, 8, False, False)
     assert grad_x.numel() == grad_w.numel() == 0  # nothing [N, d] or [V, d] is made for eval
 
 
@@ -133,8 +148,10 @@ def test_the_custom_op_passes_opcheck(dtype):
     The gradients are saved outputs scaled out of place, so unlike cross_entropy_fwd every check runs."""
     x, w, targets = inputs(dtype)
     op = torch.ops.blunb.linear_cross_entropy_fwd
-    torch.library.opcheck(op, (x, w, targets, -100, torch.float32, 8, True))
-    torch.library.opcheck(op, (x.detach(), w.detach(), targets, -100, torch.bfloat16, 64, False))
+    torch.library.opcheck(op, (x, w, targets, -100, torch.float32, 8, True, False))
+    torch.library.opcheck(op, (x.detach(), w.detach(), targets, -100, torch.bfloat16, 64, False, False))
+    if dtype == torch.float32 and lce.kernels._fused("cross_entropy") is not None:   # the interpreter: fp32
+        torch.library.opcheck(op, (x, w, targets, -100, torch.float32, 8, True, True))
 
 
 # ---------------------------------------------------------------- BLU with chunked_ce

@@ -60,6 +60,40 @@ def test_trainer_profiles_its_last_steps_and_times_the_optimizer(tmp_path):
 
 def test_profile_steps_must_leave_steps_before_them():
     cfg = preset("tiny")
-    cfg.profile_steps = cfg.max_steps
-    with pytest.raises(ConfigError, match="profile_steps must be >= 0 and < max_steps"):
+    cfg.profile_steps = cfg.max_steps - 1
+    with pytest.raises(ConfigError, match="profile_steps must be >= 0 and < max_steps - 1"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("max_steps, val_freq, ckpt_freq, profile_steps, start_step, window", [
+    (10, 100, 0, 3, 0, range(6, 9)),   # the steps before the last, whose validation stays out
+    (10, 4, 0, 3, 0, range(6, 8)),     # cut at step 8's validation
+    (10, 3, 0, 3, 0, range(6, 9)),     # step 6 validates before the profiler starts: kept
+    (10, 100, 7, 3, 0, range(6, 7)),   # cut at step 7's checkpoint
+    (10, 100, 0, 3, 8, range(8, 9)),   # resumed inside the window: what is left of it
+    (10, 100, 0, 3, 9, range(9, 9)),   # resumed at the last step: nothing to profile
+    (10, 100, 0, 0, 0, range(0)),      # off
+])
+def test_profile_window_holds_training_steps_only(max_steps, val_freq, ckpt_freq, profile_steps, start_step, window):
+    from blunb.train import _profile_window
+
+    cfg = preset("tiny")
+    cfg.max_steps, cfg.val_freq, cfg.ckpt_freq, cfg.profile_steps = max_steps, val_freq, ckpt_freq, profile_steps
+    assert list(_profile_window(cfg, start_step)) == list(window)
+
+
+def test_device_side_spans_of_record_function_ranges_are_not_counted_twice():
+    from types import SimpleNamespace
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(key, us, annotation):
+        return SimpleNamespace(key=key, self_device_time_total=us, count=1, device_type=cuda,
+                               is_user_annotation=annotation)
+
+    prof = SimpleNamespace(key_averages=lambda: [event("nvjet_sm90_tst_TNT", 900.0, False),
+                                                 event("Optimizer.step#ShardedAdamW.step", 800.0, True),
+                                                 event("multi_tensor_apply_kernel<FusedAdam>", 700.0, False)])
+    categories, kernels = profile_table(prof, steps=1)
+    assert list(kernels["kernel"]) == ["nvjet_sm90_tst_TNT", "multi_tensor_apply_kernel<FusedAdam>"]
+    assert categories.set_index("category")["ms_per_step"].to_dict() == {"matmul": 0.9, "optimizer": 0.7}

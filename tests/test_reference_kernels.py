@@ -77,3 +77,18 @@ def test_swiglu_and_syrk():
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="backend"):
         kernels.swiglu(torch.randn(2, 4), backend="cuda")
+
+
+def test_a_per_op_backend_setting_forces_only_the_ops_it_names(monkeypatch):
+    assert kernels.parse_backends("auto") == dict.fromkeys(kernels.OPS)
+    assert kernels.parse_backends("torch") == dict.fromkeys(kernels.OPS, "torch")
+    backends = kernels.parse_backends("swiglu=torch, cross_entropy=triton,rms_norm=auto")
+    assert backends == {**dict.fromkeys(kernels.OPS), "swiglu": "torch", "cross_entropy": "triton"}
+    monkeypatch.setenv("BLUNB_KERNELS", "cross_entropy=triton")
+    described = kernels.describe("cpu")
+    assert described["cross_entropy"] == "triton" and described["swiglu"] == "torch"
+    # on the CPU auto is the reference; the forced op runs its Triton kernel (the interpreter, fp32 exact enough)
+    logits, targets = torch.randn(5, 40), torch.randint(0, 40, (5,))
+    torch.testing.assert_close(kernels.cross_entropy(logits, targets), reference.cross_entropy(logits, targets))
+    assert kernels._resolve("cross_entropy", None, logits, ()) == "triton"
+    assert kernels._resolve("swiglu", None, logits, ()) == "torch"

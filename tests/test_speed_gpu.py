@@ -77,5 +77,8 @@ def test_profile_steps_tabulate_device_kernels_and_opt_step_ms_is_timed(tmp_path
     kernels = pd.read_csv(tmp_path / "run" / "profile_kernels.csv")
     assert "matmul" in set(categories["category"]) and (categories["ms_per_step"] > 0).all()
     assert not kernels["kernel"].str.startswith("aten::").any()   # device kernels, not CPU ops
+    assert not kernels["kernel"].str.contains("Optimizer.step|ProfilerStep").any()   # no annotation spans
+    calls = kernels.set_index("kernel")["calls_per_step"]
+    assert calls["_swiglu_fwd"] == calls["_swiglu_bwd"]   # training steps only: no validation forwards
     m = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert (m["opt_step_ms"] > 0).all() and (m["opt_step_ms"] < m["dt_ms"]).all()

@@ -2,7 +2,8 @@
 
 backend=None picks Triton for CUDA tensors when a fused kernel exists (and, where the
 kernel module defines `prefer(*args)`, when it says it is the faster choice for the
-shape), else the torch reference. `BLUNB_KERNELS=torch|triton` forces one for A/B.
+shape), else the torch reference. `BLUNB_KERNELS=torch|triton` forces one for A/B, for every op or,
+as `op=backend,...` (e.g. `swiglu=torch,qk_norm_rope=torch`), per op (the others stay auto).
 The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
 exposing a function named like the op. On a machine without CUDA, Triton kernels
 run under the interpreter (TRITON_INTERPRET=1, set here before Triton is imported).
@@ -50,18 +51,32 @@ def _fused(op: str):
     return _fused_modules[op]
 
 
+def parse_backends(spec: str) -> dict[str, str | None]:
+    """A kernels setting ("auto", "torch", "triton", or "op=backend,..." with backend auto|torch|triton)
+    -> each op's forced backend, None for auto."""
+    spec = spec.strip()
+    if spec in ("", "auto", "torch", "triton"):
+        return dict.fromkeys(OPS, None if spec in ("", "auto") else spec)
+    out = dict.fromkeys(OPS)
+    for item in spec.split(","):
+        op, sep, backend = item.strip().partition("=")
+        if not sep or op not in OPS or backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be auto, torch, triton or op=backend,... with op one of {', '.join(OPS)} "
+                             f"and backend auto, torch or triton; got {spec!r}")
+        out[op] = None if backend == "auto" else backend
+    return out
+
+
 def _resolve(op: str, backend: str | None, x: torch.Tensor, args) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    backend = backend or os.environ.get("BLUNB_KERNELS") or None
+    backend = backend or parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))[op]
     if backend is None:
         mod = _fused(op) if x.is_cuda else None
         prefer = getattr(mod, "prefer", None)
         return "triton" if mod is not None and (prefer is None or prefer(*args)) else "torch"
     if backend == "triton" and _fused(op) is None:
         raise NotImplementedError(f"kernels.{op}: no Triton implementation yet; use backend='torch'")
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"BLUNB_KERNELS must be 'torch' or 'triton', got {backend!r}")
     return backend
 
 
@@ -102,10 +117,10 @@ def syrk(x, backend: str | None = None):
 def describe(device) -> dict[str, str]:
     """The backend each op will use on `device` (for the run log): torch, triton, or
     triton-or-torch where the fused module decides per shape (its `prefer`)."""
-    forced = os.environ.get("BLUNB_KERNELS")
+    backends = parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))
     out = {}
     for op in OPS:
-        mod = _fused(op)
+        mod, forced = _fused(op), backends[op]
         if forced:
             out[op] = forced if (forced == "torch" or mod is not None) else "torch (no triton kernel)"
         elif torch.device(device).type != "cuda" or mod is None:

@@ -9,9 +9,14 @@ and runs both backward GEMMs on it, so only grad_x [N, d] and grad_weight [V, d]
 scales them by the incoming grad. The loss is the mean over non-ignored targets, 0.0 (not NaN) when
 every target is ignored, like kernels.cross_entropy.
 
-Plain torch, so it runs on the CPU and the GPU alike. The forward is a torch.library custom op with a
-fake implementation and registered autograd (why: blunb/kernels/__init__.py): torch.compile keeps it
-one opaque node, so Inductor cannot re-materialize the logits it exists to avoid.
+On CUDA (the cross_entropy op's Triton backend) each chunk's softmax, loss and gradient are the fused
+cross-entropy kernel, run in place over the GEMM's output: two reads and one write of the chunk's
+logits in their own dtype instead of eight fp32 passes. The values are the plain path's: the kernel
+computes in fp32 from logits that are the GEMM's output either way (an upcast of bf16 logits to fp32
+changes none of them), and rounds the gradient once to the GEMM's dtype, as the plain path's cast does.
+The plain torch path runs everywhere else. The forward is a torch.library custom op with a fake
+implementation and registered autograd (why: blunb/kernels/__init__.py): torch.compile keeps it one
+opaque node, so Inductor cannot re-materialize the logits it exists to avoid.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# 4096 tokens x V 50304: the chunk's fp32 logits (0.8 GB, reused in place for their gradient) and one
-# bf16 copy (0.4 GB: the GEMM's output, later the backward GEMMs' input), against 6.6 GB for 1b's
-# whole fp32 pair; the GEMMs stay large (4096 x d x V).
+from blunb import kernels
+
+# 4096 tokens x V 50304: on CUDA one bf16 buffer (0.4 GB: the GEMM's output, overwritten by its
+# gradient); the plain path adds the chunk's fp32 copy (0.8 GB); against 6.6 GB for 1b's whole fp32
+# logits and gradient. The GEMMs stay large (4096 x d x V).
 CHUNK_TOKENS = 4096
 
 
@@ -29,9 +36,10 @@ CHUNK_TOKENS = 4096
 # them; linear_cross_entropy() drops them. Backward scales them out of place, so nothing is mutated.
 @torch.library.custom_op("blunb::linear_cross_entropy_fwd", mutates_args=())
 def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                             logit_dtype: torch.dtype, chunk_tokens: int,
-                             has_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, d loss / d x, d loss / d weight), the two gradients empty tensors unless has_grad."""
+                             logit_dtype: torch.dtype, chunk_tokens: int, has_grad: bool,
+                             fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, d loss / d x, d loss / d weight), the two gradients empty tensors unless has_grad;
+    fused: each chunk's softmax and gradient by the Triton cross-entropy kernel."""
     N = x.shape[0]
     targets = targets.long()
     valid = targets != ignore_index
@@ -45,7 +53,17 @@ def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, targets: tor
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for s in range(0, N, chunk_tokens):
         e = min(s + chunk_tokens, N)
-        x_c, t = x[s:e], torch.where(valid[s:e], targets[s:e], 0)
+        x_c = x[s:e]
+        if fused:
+            z = F.linear(x_c, weight)
+            if z.dtype.itemsize > logit_dtype.itemsize:
+                z = z.to(logit_dtype)  # the bf16_logits stage's rounding; a widening cast would change nothing
+            loss_sum += kernels._fused("cross_entropy").loss_rows_and_grad_(
+                z, targets[s:e], n_valid, ignore_index, has_grad).sum()
+            if has_grad:
+                _backward_gemms(z, x_c, weight, grad_x[s:e], grad_w)
+            continue
+        t = torch.where(valid[s:e], targets[s:e], 0)
         z = F.linear(x_c, weight).to(logit_dtype).float()
         # Everything below works in place on z, the chunk's one fp32 [chunk, V] buffer.
         z -= z.amax(-1, keepdim=True)  # shifted by the row max: exp cannot overflow
@@ -57,20 +75,26 @@ def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, targets: tor
         scale = row_scale[s:e]
         z *= (scale / sum_exp)[:, None]  # softmax / n_valid
         z[torch.arange(e - s, device=z.device), t] -= scale  # - onehot / n_valid
-        # stored through logit_dtype as the unchunked path's gradient is; the GEMMs run in weight's dtype
-        g = z.to(logit_dtype).to(weight.dtype)
-        torch.mm(g, weight, out=grad_x[s:e])
-        if grad_w.dtype == g.dtype:  # fp32 weights: accumulate inside the GEMM, no [V, d] temporary
-            grad_w.addmm_(g.mT, x_c)
-        else:
-            grad_w += g.mT @ x_c
+        # stored through logit_dtype as the unchunked path's gradient is
+        _backward_gemms(z.to(logit_dtype), x_c, weight, grad_x[s:e], grad_w)
     if not has_grad:
         return loss_sum / n_valid, x.new_empty(0), weight.new_empty(0)
     return loss_sum / n_valid, grad_x, grad_w.to(weight.dtype)
 
 
+def _backward_gemms(grad_logits: torch.Tensor, x_c: torch.Tensor, weight: torch.Tensor, grad_x_c: torch.Tensor,
+                    grad_w: torch.Tensor) -> None:
+    """grad_x_c = g @ weight, grad_w += g^T @ x_c, with g the chunk's logit gradient in weight's dtype."""
+    g = grad_logits.to(weight.dtype)
+    torch.mm(g, weight, out=grad_x_c)
+    if grad_w.dtype == g.dtype:  # fp32 weights: accumulate inside the GEMM, no [V, d] temporary
+        grad_w.addmm_(g.mT, x_c)
+    else:
+        grad_w += g.mT @ x_c
+
+
 @linear_cross_entropy_fwd.register_fake
-def _(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad):
+def _(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad, fused):
     loss = x.new_empty((), dtype=torch.float32)
     if not has_grad:
         return loss, x.new_empty(0), weight.new_empty(0)
@@ -86,17 +110,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_x, _grad_w):
     grad_x, grad_w = ctx.saved_tensors
-    return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None
+    return grad_x * grad_loss, grad_w * grad_loss, None, None, None, None, None, None
 
 
 linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                         logit_dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None) -> torch.Tensor:
+                         logit_dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None,
+                         backend: str | None = None) -> torch.Tensor:
     """fp32 mean cross-entropy of (x [N, d] @ weight [V, d]^T).to(logit_dtype) against targets [N]:
     kernels.cross_entropy(F.linear(x, weight).to(logit_dtype), targets), without the [N, V] logits.
-    chunk_tokens=None: CHUNK_TOKENS, read at call time."""
+    chunk_tokens=None: CHUNK_TOKENS, read at call time. backend: the cross_entropy op's (kernels)."""
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or targets.shape != x.shape[:1]:
         raise ValueError(f"linear_cross_entropy expects x [N, d], weight [V, d], targets [N], got "
@@ -107,4 +132,5 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     # decided here: inside the op grad mode is off, and validation skips the gradient work
     has_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return linear_cross_entropy_fwd(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad)[0]
+    fused = kernels._resolve("cross_entropy", backend, x, ()) == "triton"
+    return linear_cross_entropy_fwd(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad, fused)[0]

@@ -75,6 +75,21 @@ def _scale_inplace(x_ptr, s_ptr, numel, BLOCK: tl.constexpr):
             start += step
 
 
+def loss_rows_and_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: torch.Tensor, ignore_index: int,
+                        has_grad: bool) -> torch.Tensor:
+    """Each row's loss (fp32 [N], 0 on ignored rows); with has_grad, d loss / d logits of the mean over
+    n_valid rows (a device scalar: rows of a larger batch) overwrites the logits in place (each program
+    reads a block before writing it). For callers that own the buffer: kernels/linear_cross_entropy.py."""
+    if logits.stride(1) != 1:
+        raise ValueError("loss_rows_and_grad_ needs logits with unit stride along V")
+    N, V = logits.shape
+    loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
+    if N:
+        _ce_fwd[(N,)](logits, targets.contiguous(), loss_rows, logits, n_valid, logits.stride(0), logits.stride(0),
+                      ignore_index, V=V, HAS_GRAD=has_grad)
+    return loss_rows
+
+
 # Custom ops with fake implementations and autograd (why: blunb/kernels/__init__.py). The forward
 # returns the gradient buffer as a second, non-differentiable output only so autograd can save it:
 # it belongs to autograd (backward scales it in place), so callers drop it, as cross_entropy() does.
