@@ -28,19 +28,33 @@ import torch
 
 from bench.train_presets import run_trainer_variant
 from blunb.config import preset
+from blunb.kernels import OPS
 from blunb.runs import environment
 
 log = logging.getLogger("speed")
 
-# blunb eager, compiled (with and without the fused kernels), compiled with the chunked lm_head + loss
+# blunb eager, compiled (with the fused kernels, with none, with Inductor's SwiGLU and QK-norm + RoPE),
+# compiled with the chunked lm_head + loss
 DEFAULT_BLUNB = {
     "adamw": "optimizer=adamw",
     "adamw-compile": "optimizer=adamw,compile=true",
     "adamw-compile-torchkernels": "optimizer=adamw,compile=true,kernels=torch",
+    "adamw-compile-inductor-elementwise": "optimizer=adamw,compile=true,kernels=swiglu=torch,qk_norm_rope=torch",
     "adamw-compile-chunked": "optimizer=adamw,compile=true,model.chunked_ce=true",
     "muon": "optimizer=muon",
     "muon-compile-chunked": "optimizer=muon,compile=true,model.chunked_ce=true",
 }
+
+
+def _overrides(spec: str) -> list[str]:
+    """"k=v,k=v" -> ["k=v", ...], keeping a per-op kernels value whole: "kernels=swiglu=torch,qk_norm_rope=torch"."""
+    out: list[str] = []
+    for item in spec.split(","):
+        if out and out[-1].startswith("kernels=") and item.split("=", 1)[0] in OPS:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
 
 
 def _profile(csv: Path, preset_name: str, variant: str) -> list[dict]:
@@ -152,7 +166,7 @@ def main() -> None:
                 row, prof = _plain_row(preset_name, spec, args.steps - args.warmup, args.warmup, args.profile_steps,
                                        work)
             else:
-                row, prof = _blunb_row(preset_name, name, spec.split(","), args.steps, args.warmup,
+                row, prof = _blunb_row(preset_name, name, _overrides(spec), args.steps, args.warmup,
                                        args.profile_steps, work)
             rows.append({**row, **facts, "wall_s": round(time.perf_counter() - t0, 1)})
             table = _with_ratios(rows)
