@@ -18,11 +18,13 @@ def _quick_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=30, quantiles=quantiles)
 
 
-def autotune(gpu: list[triton.Config], cpu: triton.Config, key: list[str]):
+def autotune(gpu: list[triton.Config], cpu: triton.Config, key: list[str], restore_value: tuple[str, ...] = ()):
     """triton.autotune over `gpu` on a GPU; exactly `cpu` under the interpreter (more than one
-    config would make the autotuner time them with a CUDA-only do_bench). Every kernel using
-    this writes all its outputs afresh on each call, so re-running it while tuning is safe."""
-    return triton.autotune(configs=[cpu] if interpreting() else gpu, key=key, do_bench=_quick_bench)
+    config would make the autotuner time them with a CUDA-only do_bench). Tuning runs the kernel
+    several times: safe for a kernel that writes its outputs afresh on each call; one that updates
+    a buffer in place names it in restore_value (copied before the trials, put back after)."""
+    return triton.autotune(configs=[cpu] if interpreting() else gpu, key=key, do_bench=_quick_bench,
+                           restore_value=list(restore_value))
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,11 +23,6 @@ import triton.language as tl
 from blunb.kernels.fused._common import autotune, num_sms
 
 
-@autotune(
-    [triton.Config({"BLOCK_V": b}, num_warps=w) for b, w in ((4096, 8), (8192, 16), (16384, 16))],
-    triton.Config({"BLOCK_V": 128}, num_warps=4),  # small: V=300 in the tests spans 3 blocks
-    key=["V", "HAS_GRAD"],
-)
 @triton.jit
 def _ce_fwd(logits_ptr, targets_ptr, loss_ptr, grad_ptr, n_valid_ptr, stride_l, stride_g, ignore_index,
             V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -61,6 +56,13 @@ def _ce_fwd(logits_ptr, targets_ptr, loss_ptr, grad_ptr, n_valid_ptr, stride_l, 
             tl.store(gbase + off + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+_CONFIGS = ([triton.Config({"BLOCK_V": b}, num_warps=w) for b, w in ((4096, 8), (8192, 16), (16384, 16))],
+            triton.Config({"BLOCK_V": 128}, num_warps=4))  # small: V=300 in the tests spans 3 blocks
+_ce_fwd_tuned = autotune(*_CONFIGS, key=["V", "HAS_GRAD"])(_ce_fwd)
+# the gradient over the logits in place: tuning's trial runs must each start from the logits
+_ce_fwd_inplace = autotune(*_CONFIGS, key=["V", "HAS_GRAD"], restore_value=("logits_ptr",))(_ce_fwd)
+
+
 @triton.jit
 def _scale_inplace(x_ptr, s_ptr, numel, BLOCK: tl.constexpr):
     s = tl.load(s_ptr).to(tl.float32)
@@ -85,8 +87,8 @@ def loss_rows_and_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: to
     N, V = logits.shape
     loss_rows = torch.empty(N, dtype=torch.float32, device=logits.device)
     if N:
-        _ce_fwd[(N,)](logits, targets.contiguous(), loss_rows, logits, n_valid, logits.stride(0), logits.stride(0),
-                      ignore_index, V=V, HAS_GRAD=has_grad)
+        _ce_fwd_inplace[(N,)](logits, targets.contiguous(), loss_rows, logits, n_valid, logits.stride(0),
+                              logits.stride(0), ignore_index, V=V, HAS_GRAD=has_grad)
     return loss_rows
 
 
@@ -106,7 +108,7 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if has_grad else logits.new_empty(0)
     grad_out = grad if has_grad else loss_rows  # without HAS_GRAD the kernel only needs a valid pointer
     if N:
-        _ce_fwd[(N,)](logits, targets, loss_rows, grad_out, n_valid, logits.stride(0), grad_out.stride(0),
+        _ce_fwd_tuned[(N,)](logits, targets, loss_rows, grad_out, n_valid, logits.stride(0), grad_out.stride(0),
                       ignore_index, V=V, HAS_GRAD=has_grad)
     return loss_rows.sum() / n_valid.clamp(min=1), grad
 
