@@ -361,12 +361,16 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
             if earlier.is_file():
                 env["resumed"]["earlier_env"] = json.loads(earlier.read_text())
         write_status(run_dir, "running", run.start_step, cfg.max_steps)
-        (run_dir / "config.json").write_text(cfg.to_json())
-        (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
-        run_log.to_file(run_dir / "log.txt")
-        run.metrics = MetricsWriter(run_dir / "metrics.csv", _metric_columns(opt), append=saved is not None)
-        if diag is not None:
-            diag.open_csv(run_dir)
+        try:
+            (run_dir / "config.json").write_text(cfg.to_json())
+            (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
+            run_log.to_file(run_dir / "log.txt")
+            run.metrics = MetricsWriter(run_dir / "metrics.csv", _metric_columns(opt), append=saved is not None)
+            if diag is not None:
+                diag.open_csv(run_dir)
+        except BaseException as err:  # the folder says "running" already: it must not keep saying so
+            _record_end(rank, run, err)
+            raise
     if run.previous is not None:
         log.info(f"the earlier run in {run_dir} was moved to {run.previous} (removed after this run's first step)")
     if saved is not None:

@@ -189,6 +189,24 @@ def test_status_records_how_each_run_ended(tmp_path):
     assert summary["complete"].tolist() == [True, False]
 
 
+def test_a_failure_right_after_the_folder_is_claimed_is_recorded(tmp_path, monkeypatch):
+    """status.json says "running" as soon as the folder is this run's; a failure in what setup writes
+    next (here the metrics file: a full disk) must turn it into "failed", not leave it running."""
+    import blunb.train as train_mod
+    from blunb.config import preset
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train_mod, "MetricsWriter", no_space)
+    cfg = preset("tiny")
+    cfg.rescale_schedule(3)
+    with pytest.raises(OSError, match="No space left"):
+        train_mod.train(cfg, tmp_path / "r")
+    st = read_status(tmp_path / "r")
+    assert st["state"] == "failed" and "No space left on device" in st["error"] and st["steps_done"] == 0
+
+
 def test_config_error_under_torchrun_is_printed_once(tmp_path):
     proc = _torchrun_train(2, "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--set", "kv_heads=3",
                            check=False)
