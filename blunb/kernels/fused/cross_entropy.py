@@ -109,7 +109,7 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     grad_out = grad if has_grad else loss_rows  # without HAS_GRAD the kernel only needs a valid pointer
     if N:
         _ce_fwd_tuned[(N,)](logits, targets, loss_rows, grad_out, n_valid, logits.stride(0), grad_out.stride(0),
-                      ignore_index, V=V, HAS_GRAD=has_grad)
+                            ignore_index, V=V, HAS_GRAD=has_grad)
     return loss_rows.sum() / n_valid.clamp(min=1), grad
 
 
