@@ -82,3 +82,34 @@ def test_profile_steps_tabulate_device_kernels_and_opt_step_ms_is_timed(tmp_path
     assert calls["_swiglu_fwd"] == calls["_swiglu_bwd"]   # training steps only: no validation forwards
     m = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert (m["opt_step_ms"] > 0).all() and (m["opt_step_ms"] < m["dt_ms"]).all()
+
+
+def test_fused_adamw_update_matches_the_torch_path_in_bf16_on_cuda(monkeypatch):
+    """The fused shard update on a bf16 group at a size with many blocks per parameter (kernels/fused/adamw.py):
+    the masters and moments agree with torch._fused_adamw_'s path to fp32 rounding (its bias corrections
+    are double, here fp32), and the bf16 weights are exactly the masters rounded (the GPU's conversion)."""
+    import torch.nn as nn
+
+    from blunb.optim.zero_adamw import ShardedAdamW
+
+    opts = []
+    for backend in ("auto", "adamw=triton"):
+        monkeypatch.setenv("BLUNB_KERNELS", backend)
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(2048, 1000, device="cuda").bfloat16()),
+                  nn.Parameter(torch.randn(2048, device="cuda").bfloat16()),
+                  nn.Parameter(torch.randn(5632, 2048, device="cuda").bfloat16())]
+        opt = ShardedAdamW(params, lr=1e-3, max_grad_norm=1.0, bucket_mb=8)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad.copy_(torch.randn(p.shape, device="cuda", generator=gen))
+            opt.step()
+        opts.append(opt)
+    ref, fused = opts
+    assert fused._fused and not ref._fused
+    for mine, theirs in ((fused._master, ref._master), (fused._exp_avg, ref._exp_avg),
+                         (fused._exp_avg_sq, ref._exp_avg_sq)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6 * theirs.abs().max().item())
+    for pc, mc in zip(fused._param_chunks, fused._master_chunks):
+        assert torch.equal(pc, mc.to(torch.bfloat16))

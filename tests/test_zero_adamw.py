@@ -17,10 +17,54 @@ from tests.distributed import REPO, torchrun
 WORKER = REPO / "tests" / "workers" / "zero_adamw_worker.py"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_zero_adamw_multiprocess(world_size):
+@pytest.mark.parametrize("world_size, kernels", [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"),
+                                                 (3, "adamw=triton")])
+def test_zero_adamw_multiprocess(world_size, kernels, monkeypatch):
+    """Every case at each W; once more at an uneven W with the fused shard update (kernels/fused/adamw.py,
+    under the Triton interpreter here) in place of torch._fused_adamw_: the same bars against torch's AdamW."""
+    monkeypatch.setenv("BLUNB_KERNELS", kernels)
     proc = torchrun(WORKER, world_size)
     assert f"zero_adamw worker OK at W={world_size}" in proc.stdout
+
+
+def _fused_and_torch_paths(dtype, steps, grads_of, **kw):
+    """The same parameters stepped by the torch path and by the fused update -> (torch, fused) optimizers."""
+    import os
+
+    out = []
+    for backend in ("auto", "adamw=triton"):
+        os.environ["BLUNB_KERNELS"] = backend
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(37, 5).to(dtype)), nn.Parameter(torch.randn(11).to(dtype)),
+                  nn.Parameter(torch.randn(20, 15).to(dtype))]
+        opt = ShardedAdamW(params, lr=1e-2, **kw)
+        assert opt._fused == (backend != "auto")
+        for step in range(steps):
+            for p, g in zip(params, grads_of(step)):
+                p.grad = None if g is None else g.to(dtype)
+            opt.step()
+        out.append(opt)
+    return out
+
+
+def test_fused_update_matches_the_torch_path(monkeypatch):
+    """fp32 (the interpreter's bf16 rounding is not the GPU's: tests/test_speed_gpu.py checks bf16 on
+    CUDA), four buckets, both decay classes, clipping, a non-finite step that must change nothing, and a
+    step where one parameter has no gradient (the per-segment path steps the others). Bias corrections are
+    fp32 here and double in torch: masters, moments and weights agree to fp32 rounding."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("BLUNB_KERNELS", "auto")
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(37, 5, generator=gen), torch.randn(11, generator=gen), torch.randn(20, 15, generator=gen)]
+             for _ in range(6)]
+    grads[2][1] = torch.full((11,), float("nan"))   # the whole step skipped
+    grads[4][0] = None                              # the first parameter not stepped
+    ref, fused = _fused_and_torch_paths(torch.float32, 6, grads.__getitem__, max_grad_norm=0.5, bucket_mb=0.0005)
+    assert len(fused._buckets) > 2 and fused.skipped_steps == ref.skipped_steps == 1
+    assert torch.equal(fused._steps, ref._steps)
+    for mine, theirs in ((fused._master, ref._master), (fused._exp_avg, ref._exp_avg),
+                         (fused._exp_avg_sq, ref._exp_avg_sq), (fused._flat_param, ref._flat_param)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6 * theirs.abs().max().item())
 
 
 def test_single_process_without_process_group_matches_adamw():

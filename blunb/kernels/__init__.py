@@ -29,7 +29,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BACKENDS = (None, "torch", "triton")
-OPS = ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "syrk")
+# syrk serves Muon's Newton-Schulz and adamw ShardedAdamW's shard update (blunb/optim): no model op
+OPS = ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "syrk", "adamw")
 
 
 def _import_fused(op: str):

@@ -19,8 +19,10 @@ Per step (no host sync anywhere on this path):
            gradient chunk is staged in fp32 first, so staging costs one chunk, not the shard),
            with grad_scale = W / clip_coef (averaging and clipping folded into the kernel) and
            found_inf (the kernel leaves params and moments untouched on an inf/NaN norm, on
-           every rank, without a host round trip).
-  publish  master -> param dtype into the owned chunks, then all_gather (rs_ag) or
+           every rank, without a host round trip). With the kernels setting adamw=triton, one
+           Triton pass over the whole shard instead (kernels/fused/adamw.py): the reduced gradient
+           in, master and moments updated and written to the owned weight chunks, same math.
+  publish  master -> param dtype into the owned chunks (done by that pass), then all_gather (rs_ag) or
            broadcast from the owner (reduce_bcast), per bucket; with overlap_refresh the
            buckets are published asynchronously in forward order and waited for by forward
            pre-hooks just before the module that reads them.
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from blunb import kernels
 from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
 
@@ -131,6 +134,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._params = plist
 
         self._build_layout(bucket_mb)
+        # the fused shard update (kernels setting adamw=triton) or torch._fused_adamw_ per segment
+        self._fused = kernels._resolve("adamw", None, plist[0], ()) == "triton"
         self._allocate(reduce_dtype)
         self._build_update_lists()
 
@@ -239,6 +244,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         r = self.rank
         red_chunks = [self._chunk_view(self._flat_red, b, r) for b in range(len(self._buckets))]
         self._segments = []          # per bucket: [(param index, decays, master, grad, exp_avg, exp_avg_sq)]
+        fused_segments = []          # (shard offset, flat offset, length, param index, decays)
         shard_start = 0
         for b, idx in enumerate(self._buckets):
             c = self._bucket_chunk[b]
@@ -253,8 +259,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                     sa, sz = shard_start + a, shard_start + z
                     segs.append((i, decays, self._master[sa:sz], grad_src[a:z], self._exp_avg[sa:sz],
                                  self._exp_avg_sq[sa:sz]))
+                    fused_segments.append((sa, lo + a, z - a, i, decays))
             self._segments.append(segs)
             shard_start += c
+        self._fused_table = kernels._fused("adamw").block_table(fused_segments, self.device) if self._fused else None
         self._red_chunks = red_chunks
         self._param_chunks = [self._chunk_view(self._flat_param, b, r) for b in range(len(self._buckets))]
         self._master_chunks = [self._shard_chunk(self._master, b) for b in range(len(self._buckets))]
@@ -381,7 +389,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._skipped += found.long()
         grad_scale = self.world / coef       # the kernel divides: g * coef / W
         g = self.param_groups[0]
-        for b, segs in enumerate(self._segments):
+        fused = self._fused and all(stepped)   # a parameter left out of the step: the per-segment path
+        if fused:
+            kernels._fused("adamw").adamw_update_(
+                self._master, self._exp_avg, self._exp_avg_sq, self._flat_red, self._flat_param, self._steps,
+                self._fused_table, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                weight_decay=g["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+        for b, segs in enumerate(self._segments if not fused else []):
             if self._grad_stage is not None:
                 self._grad_stage[: self._bucket_chunk[b]].copy_(self._red_chunks[b])
             for decays in (True, False):
@@ -393,12 +407,14 @@ class ShardedAdamW(torch.optim.Optimizer):
                                     beta1=g["betas"][0], beta2=g["betas"][1],
                                     weight_decay=g["weight_decay"] if decays else 0.0, eps=g["eps"],
                                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-        self._publish()
+        self._publish(copied=fused)
         self._measured = None
         self._ext_coef = self._ext_found_inf = None
 
-    def _publish(self) -> None:
-        torch._foreach_copy_(self._param_chunks, self._master_chunks)
+    def _publish(self, copied: bool = False) -> None:
+        """copied: the fused update has written the owned chunks already."""
+        if not copied:
+            torch._foreach_copy_(self._param_chunks, self._master_chunks)
         if self.world == 1:
             return
         order = self._publish_order if self.overlap_refresh else range(len(self._buckets))

@@ -6,6 +6,8 @@ gradient that each rank's own micro-batches produce (every rank recomputes all r
 gradients locally, so the reference needs no communication).
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -174,13 +176,21 @@ def run_bf16(W, rank, collective, reduce_dtype, rtol):
     assert [o.dtype for o in opts] == [torch.bfloat16, torch.float32], "largest group (fp32 here) must come last"
     assert opts[0].numel < opts[1].numel
     bf = opts[0]
+    # The fused update under the Triton interpreter: its fp32 -> bf16 conversion is not the GPU's
+    # rounding, so weights land within one bf16 ulp, and the next steps' gradients carry that on to the
+    # masters (measured: 2.5e-4); tests/test_speed_gpu.py checks the fused update bit for bit on CUDA.
+    interpreted = bf._fused and os.environ.get("TRITON_INTERPRET") == "1"
+    rtol = max(rtol, 1e-3) if interpreted else rtol
     bf_ref_masters = [m for m, p in zip(ref.masters, ref.params) if p.dtype == torch.bfloat16]
     for step in range(STEPS):
         train_step(model, opts, step, rank)
         ref.step(step, 0.0)
         assert_replicas_identical(opts)
         for pc, mc in zip(bf._param_chunks, bf._master_chunks):
-            assert torch.equal(pc, mc.to(torch.bfloat16)), "bf16 weight != master.to(bf16)"
+            if interpreted:
+                torch.testing.assert_close(pc.float(), mc.to(torch.bfloat16).float(), rtol=2**-7, atol=0)
+            else:
+                assert torch.equal(pc, mc.to(torch.bfloat16)), "bf16 weight != master.to(bf16)"
         for mine, theirs in zip(bf._master_chunks, owned_master_ref(bf, bf_ref_masters)):
             if theirs.abs().max() > 0:
                 assert relerr(mine, theirs) <= rtol, f"bf16 master ({reduce_dtype}) rel err {relerr(mine, theirs):.2e}"
