@@ -27,13 +27,11 @@ def test_zero_adamw_multiprocess(world_size, kernels, monkeypatch):
     assert f"zero_adamw worker OK at W={world_size}" in proc.stdout
 
 
-def _fused_and_torch_paths(dtype, steps, grads_of, **kw):
+def _fused_and_torch_paths(monkeypatch, dtype, steps, grads_of, **kw):
     """The same parameters stepped by the torch path and by the fused update -> (torch, fused) optimizers."""
-    import os
-
     out = []
     for backend in ("auto", "adamw=triton"):
-        os.environ["BLUNB_KERNELS"] = backend
+        monkeypatch.setenv("BLUNB_KERNELS", backend)
         torch.manual_seed(0)
         params = [nn.Parameter(torch.randn(37, 5).to(dtype)), nn.Parameter(torch.randn(11).to(dtype)),
                   nn.Parameter(torch.randn(20, 15).to(dtype))]
@@ -53,13 +51,13 @@ def test_fused_update_matches_the_torch_path(monkeypatch):
     step where one parameter has no gradient (the per-segment path steps the others). Bias corrections are
     fp32 here and double in torch: masters, moments and weights agree to fp32 rounding."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("BLUNB_KERNELS", "auto")
     gen = torch.Generator().manual_seed(1)
     grads = [[torch.randn(37, 5, generator=gen), torch.randn(11, generator=gen), torch.randn(20, 15, generator=gen)]
              for _ in range(6)]
     grads[2][1] = torch.full((11,), float("nan"))   # the whole step skipped
     grads[4][0] = None                              # the first parameter not stepped
-    ref, fused = _fused_and_torch_paths(torch.float32, 6, grads.__getitem__, max_grad_norm=0.5, bucket_mb=0.0005)
+    ref, fused = _fused_and_torch_paths(monkeypatch, torch.float32, 6, grads.__getitem__, max_grad_norm=0.5,
+                                        bucket_mb=0.0005)
     assert len(fused._buckets) > 2 and fused.skipped_steps == ref.skipped_steps == 1
     assert torch.equal(fused._steps, ref._steps)
     for mine, theirs in ((fused._master, ref._master), (fused._exp_avg, ref._exp_avg),

@@ -71,10 +71,9 @@ def block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict
             length.append(min(BLOCK, n - off))
             param.append(i)
             decays.append(int(dec))
-    as_tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=device)  # noqa: E731
-    return {"shard": as_tensor(shard, torch.int64), "flat": as_tensor(flat, torch.int64),
-            "len": as_tensor(length, torch.int32), "param": as_tensor(param, torch.int32),
-            "decays": as_tensor(decays, torch.int8)}
+    columns = {"shard": (shard, torch.int64), "flat": (flat, torch.int64), "len": (length, torch.int32),
+               "param": (param, torch.int32), "decays": (decays, torch.int8)}
+    return {name: torch.tensor(xs, dtype=dtype, device=device) for name, (xs, dtype) in columns.items()}
 
 
 def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
