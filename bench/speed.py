@@ -34,14 +34,14 @@ from blunb.runs import environment
 log = logging.getLogger("speed")
 
 # blunb eager, compiled (with the fused kernels, with none, with Inductor's SwiGLU and QK-norm + RoPE),
-# compiled with the chunked lm_head + loss (and the fused AdamW shard update)
+# compiled with the chunked lm_head + loss (with torch._fused_adamw_ in place of the fused shard update)
 DEFAULT_BLUNB = {
     "adamw": "optimizer=adamw",
     "adamw-compile": "optimizer=adamw,compile=true",
     "adamw-compile-torchkernels": "optimizer=adamw,compile=true,kernels=torch",
     "adamw-compile-inductor-elementwise": "optimizer=adamw,compile=true,kernels=swiglu=torch,qk_norm_rope=torch",
     "adamw-compile-chunked": "optimizer=adamw,compile=true,model.chunked_ce=true",
-    "adamw-compile-chunked-fusedadamw": "optimizer=adamw,compile=true,model.chunked_ce=true,kernels=adamw=triton",
+    "adamw-compile-chunked-torchadamw": "optimizer=adamw,compile=true,model.chunked_ce=true,kernels=adamw=torch",
     "muon": "optimizer=muon",
     "muon-compile-chunked": "optimizer=muon,compile=true,model.chunked_ce=true",
 }

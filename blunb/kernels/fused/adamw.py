@@ -92,9 +92,3 @@ def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch
         _adamw_update[(n_blocks,)](master, exp_avg, exp_avg_sq, grad, param, steps, table["shard"], table["flat"],
                                    table["len"], table["param"], table["decays"], grad_scale, found_inf,
                                    lr, beta1, beta2, eps, weight_decay, BLOCK=BLOCK, num_warps=8)
-
-
-def prefer(*args) -> bool:
-    """Not by default yet: the torch path stays the auto choice until this kernel has been timed
-    against it in the trainer on a GPU. kernels=adamw=triton turns it on."""
-    return False
