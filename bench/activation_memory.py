@@ -33,22 +33,21 @@ from blunb.runs import environment
 log = logging.getLogger("activation_memory")
 
 MIB = 2**20
-# (variant, model, compiled, kernels setting, chunked lm_head + loss)
-BLOCK_VARIANTS = [
-    ("plain-compile", "plain", True, "auto", False),
-    ("plain-eager", "plain", False, "auto", False),
-    ("blunb-compile", "blunb", True, "auto", False),
-    ("blunb-compile-rmsnorm-torch", "blunb", True, "rms_norm=torch", False),
-    ("blunb-compile-qk-torch", "blunb", True, "qk_norm_rope=torch", False),
-    ("blunb-compile-swiglu-torch", "blunb", True, "swiglu=torch", False),
-    ("blunb-compile-attention-torch", "blunb", True, "flash_attention=torch", False),
-    ("blunb-compile-all-torch", "blunb", True, "torch", False),
-    ("blunb-eager", "blunb", False, "auto", False),
-]
-HEAD_VARIANTS = [
-    ("plain-compile", "plain", True, "auto", False),
-    ("blunb-compile", "blunb", True, "auto", False),
-    ("blunb-compile-chunked", "blunb", True, "auto", True),
+# (part, variant, model, compiled, kernels setting, chunked lm_head + loss), the most telling first:
+# a head row needs the block row of its variant (without "-chunked") measured before it
+VARIANTS = [
+    ("block", "plain-compile", "plain", True, "auto", False),
+    ("block", "blunb-compile", "blunb", True, "auto", False),
+    ("block", "blunb-compile-qk-torch", "blunb", True, "qk_norm_rope=torch", False),
+    ("block", "blunb-compile-swiglu-torch", "blunb", True, "swiglu=torch", False),
+    ("block", "blunb-compile-rmsnorm-torch", "blunb", True, "rms_norm=torch", False),
+    ("head", "plain-compile", "plain", True, "auto", False),
+    ("head", "blunb-compile", "blunb", True, "auto", False),
+    ("head", "blunb-compile-chunked", "blunb", True, "auto", True),
+    ("block", "blunb-compile-all-torch", "blunb", True, "torch", False),
+    ("block", "blunb-compile-attention-torch", "blunb", True, "flash_attention=torch", False),
+    ("block", "plain-eager", "plain", False, "auto", False),
+    ("block", "blunb-eager", "blunb", False, "auto", False),
 ]
 
 
@@ -135,34 +134,32 @@ def main() -> None:
     device = torch.device("cuda")
     cfg = preset(args.preset)
     B, T = cfg.B, cfg.T
-    facts = {k: v for k, v in environment().items() if k in ("device", "torch", "triton", "cuda", "git_sha")}
+    facts = {k: v for k, v in environment(1, "cuda").items() if k in ("device", "torch", "triton", "cuda", "git_sha")}
     rows = []
-    for part, variants in (("block", BLOCK_VARIANTS), ("head", HEAD_VARIANTS)):
-        for name, kind, compiled, spec, chunked in variants:
-            os.environ["BLUNB_KERNELS"] = spec  # read by blunb.kernels at every call
-            torch._dynamo.reset()
-            try:
-                if part == "block":
-                    r = _block_row(kind, compiled, preset(args.preset), B, T, device)
-                else:
-                    r = _head_row(kind, compiled, chunked, preset(args.preset), B, T, device)
-                    one_block = next(x for x in rows if x["part"] == "block" and x["variant"] == name.replace(
-                        "-chunked", "") and x["status"] == "ok")
-                    r = {k: v - one_block[k] for k, v in r.items()}
-                status = "ok"
-            except Exception as exc:  # one variant's failure must not lose the others' rows
-                log.exception(f"{part} {name} failed")
-                r, status = {}, f"error: {type(exc).__name__}: {exc}"[:300]
-            row = {"preset": args.preset, "part": part, "variant": name, "kernels": spec, "compiled": compiled,
-                   "chunked_ce": chunked, "B": B, "T": T, **r, "status": status, **facts}
-            log.info(row)
-            rows.append(row)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(rows).to_csv(args.out, index=False)
-    table = pd.DataFrame(rows)
-    n = cfg.model.n_layers
-    blocks = table[table["part"] == "block"].set_index("variant")
-    log.info(f"saved MiB per block (x {n} layers):\n" + (blocks[["saved_mib", "peak_mib"]]).to_string())
+    for part, name, kind, compiled, spec, chunked in VARIANTS:
+        os.environ["BLUNB_KERNELS"] = spec  # read by blunb.kernels at every call
+        torch._dynamo.reset()
+        try:
+            if part == "block":
+                r = _block_row(kind, compiled, preset(args.preset), B, T, device)
+            else:
+                r = _head_row(kind, compiled, chunked, preset(args.preset), B, T, device)
+                one_block = next(x for x in rows if x["part"] == "block" and x["variant"] == name.replace(
+                    "-chunked", "") and x["status"] == "ok")
+                r = {k: v - one_block[k] for k, v in r.items()}
+            status = "ok"
+        except Exception as exc:  # one variant's failure must not lose the others' rows
+            log.exception(f"{part} {name} failed")
+            r, status = {}, f"error: {type(exc).__name__}: {exc}"[:300]
+        row = {"preset": args.preset, "part": part, "variant": name, "kernels": spec, "compiled": compiled,
+               "chunked_ce": chunked, "B": B, "T": T, **r, "status": status, **facts}
+        log.info(row)
+        rows.append(row)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_csv(args.out, index=False)
+    table = pd.DataFrame(rows).set_index(["part", "variant"])
+    log.info(f"MiB kept for backward (a block's x {cfg.model.n_layers} layers):\n"
+             + table.reindex(columns=["saved_mib", "peak_mib", "status"]).to_string())
 
 
 if __name__ == "__main__":
