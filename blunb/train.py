@@ -508,6 +508,7 @@ class _PendingStep:
     stats: StepStats
     scalars: _HostCopy
     opt_timer: _OptTimer
+    peak_mem_gib: float | None      # the step's own peak allocation (CUDA), not the run's so far
     end: float = 0.0
 
 
@@ -515,6 +516,10 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
     """Queue one optimizer step (accum micro-batches); `finish_previous` runs once the first
     backward is queued, so reading the previous step's scalars never idles the device."""
     t0 = time.perf_counter()
+    if run.device.type == "cuda":
+        # the allocator's statistics are host-side: this costs no sync; compile, autotuning and
+        # validation between steps then stay out of every step's peak
+        torch.cuda.reset_peak_memory_stats(run.device)
     lrs = run.opt.set_lr(step)
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
@@ -542,7 +547,8 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
         for line in run.diag.end_step(step):
             log.info(line)
     scalars = _HostCopy(torch.cat([loss_sum.reshape(1), stats.values()]))
-    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars, opt_timer)
+    peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
+    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars, opt_timer, peak)
 
 
 def finish_step(run: _Run, p: _PendingStep) -> None:
@@ -578,7 +584,7 @@ def _metric_columns(opt) -> list[str]:
 
 
 def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord, dt: float) -> dict:
-    meter, tps, dev = run.meter, run.tokens_per_step, run.device
+    meter, tps = run.meter, run.tokens_per_step
     row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
            "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
            "mfu": meter.mfu(dt, tps), "mfu_palm": meter.mfu_palm(dt, tps),
@@ -587,7 +593,7 @@ def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord,
            "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
            "global_clip_coef": rec.global_clip_coef, "ns_rejected": rec.ns_rejected,
            "ns_rejected_total": rec.ns_rejected_total, "nsratio": rec.ns_ratio,
-           "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
+           "peak_mem_gib": p.peak_mem_gib}
     for name in rec.group_norms:
         row[f"norm_{name}"] = rec.group_norms[name]
         row[f"clip_{name}"] = rec.group_clip[name]
