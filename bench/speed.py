@@ -88,6 +88,7 @@ def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, wa
     row = {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "B": cfg.B, "T": cfg.T,
            "ms_per_step": r["steady_ms_per_step"], "tok_per_s": r["steady_tok_per_sec"],
            "mfu_causal": r["steady_mfu"], "mfu_palm": r["steady_mfu_palm"], "peak_mem_gib": r["peak_mem_gib"],
+           "run_peak_mem_gib": r["run_peak_mem_gib"],
            "opt_step_ms": r["opt_step_ms"], "timed_steps": r["steady_steps"], "final_loss": r["final_loss"],
            "overrides": r["overrides"]}
     return row, _profile(Path(r["run_dir"]) / "profile.csv", preset_name, name)
