@@ -65,6 +65,7 @@ bench:
 bench-speed:
 	PYTHONPATH=. python3 bench/speed.py --presets 1b,124m --out results/bench/speed.csv
 	PYTHONPATH=. python3 bench/kernels.py --preset 1b --out results/bench/kernels_1b.csv
+	PYTHONPATH=. python3 bench/activation_memory.py --preset 1b --out results/bench/activation_memory_1b.csv
 	# Muon vs AdamW at the 1b preset's real global batch (32 micro-batches per optimizer step)
 	PYTHONPATH=. python3 bench/speed.py --presets 1b --baselines none --steps 4 --warmup 2 --profile-steps 0 \
 		--blunb adamw-batch524k=optimizer=adamw,compile=true,model.chunked_ce=true,global_batch=524288,val_tokens=16384 \
