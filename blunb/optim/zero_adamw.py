@@ -15,13 +15,14 @@ Per step (no host sync anywhere on this path):
            reduce_bcast: reduce(SUM) of each chunk to its owner. Serially after backward,
            or from post-accumulate-grad hooks as buckets fill (overlap_backward).
   measure  ||avg grad||^2 of the shard, all-reduced: per-instance or global clip stats.
-  update   torch._fused_adamw_ over the shard, one call per bucket chunk and decay class (a bf16
+  update   on CUDA one Triton pass over the whole shard (kernels/fused/adamw.py): the reduced
+           gradient in, master and moments updated and written to the owned weight chunks. Elsewhere
+           (or with the kernels setting adamw=torch) torch._fused_adamw_ over the shard, one call
+           per bucket chunk and decay class (a bf16
            gradient chunk is staged in fp32 first, so staging costs one chunk, not the shard),
            with grad_scale = W / clip_coef (averaging and clipping folded into the kernel) and
            found_inf (the kernel leaves params and moments untouched on an inf/NaN norm, on
-           every rank, without a host round trip). With the kernels setting adamw=triton, one
-           Triton pass over the whole shard instead (kernels/fused/adamw.py): the reduced gradient
-           in, master and moments updated and written to the owned weight chunks, same math.
+           every rank, without a host round trip); the Triton pass takes the same two tensors.
   publish  master -> param dtype into the owned chunks (done by that pass), then all_gather (rs_ag) or
            broadcast from the owner (reduce_bcast), per bucket; with overlap_refresh the
            buckets are published asynchronously in forward order and waited for by forward
@@ -134,7 +135,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._params = plist
 
         self._build_layout(bucket_mb)
-        # the fused shard update (kernels setting adamw=triton) or torch._fused_adamw_ per segment
+        # the fused shard update (the CUDA default) or torch._fused_adamw_ per segment (kernels adamw=torch)
         self._fused = kernels._resolve("adamw", None, plist[0], ()) == "triton"
         self._allocate(reduce_dtype)
         self._build_update_lists()
