@@ -92,3 +92,20 @@ def test_a_per_op_backend_setting_forces_only_the_ops_it_names(monkeypatch):
     torch.testing.assert_close(kernels.cross_entropy(logits, targets), reference.cross_entropy(logits, targets))
     assert kernels._resolve("cross_entropy", None, logits, ()) == "triton"
     assert kernels._resolve("swiglu", None, logits, ()) == "torch"
+
+
+def test_a_kernel_that_is_never_the_auto_choice_is_described_as_torch(monkeypatch):
+    """rms_norm's fused module says AUTO = False: auto resolves it to torch even for a CUDA tensor,
+    and the run log's description says so; forcing it still picks Triton."""
+    from blunb.kernels.fused import rms_norm as fused_rms_norm
+
+    assert fused_rms_norm.AUTO is False
+    monkeypatch.setenv("BLUNB_KERNELS", "auto")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.randn(3, 8)
+    assert kernels._resolve("rms_norm", None, x, ()) == "torch"
+    assert kernels._resolve("swiglu", None, x, ()) == "triton"
+    assert kernels._resolve("rms_norm", "triton", x, ()) == "triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    described = kernels.describe("cuda")
+    assert described["rms_norm"] == "torch" and described["swiglu"] == "triton"

@@ -2,7 +2,8 @@
 
 backend=None picks Triton for CUDA tensors when a fused kernel exists (and, where the
 kernel module defines `prefer(*args)`, when it says it is the faster choice for the
-shape), else the torch reference. `BLUNB_KERNELS=torch|triton` forces one for A/B, for every op or,
+shape), else the torch reference; a module with `AUTO = False` is never the auto choice (its
+kernel runs only when forced). `BLUNB_KERNELS=torch|triton` forces one for A/B, for every op or,
 as `op=backend,...` (e.g. `swiglu=torch,qk_norm_rope=torch`), per op (the others stay auto).
 The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
 exposing a function named like the op. On a machine without CUDA, Triton kernels
@@ -74,6 +75,8 @@ def _resolve(op: str, backend: str | None, x: torch.Tensor, args) -> str:
     backend = backend or parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))[op]
     if backend is None:
         mod = _fused(op) if x.is_cuda else None
+        if not getattr(mod, "AUTO", True):
+            return "torch"
         prefer = getattr(mod, "prefer", None)
         return "triton" if mod is not None and (prefer is None or prefer(*args)) else "torch"
     if backend == "triton" and _fused(op) is None:
@@ -124,7 +127,7 @@ def describe(device) -> dict[str, str]:
         mod, forced = _fused(op), backends[op]
         if forced:
             out[op] = forced if (forced == "torch" or mod is not None) else "torch (no triton kernel)"
-        elif torch.device(device).type != "cuda" or mod is None:
+        elif torch.device(device).type != "cuda" or mod is None or not getattr(mod, "AUTO", True):
             out[op] = "torch"
         else:
             out[op] = "triton-or-torch (per shape)" if hasattr(mod, "prefer") else "triton"

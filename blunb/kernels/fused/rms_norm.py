@@ -16,6 +16,11 @@ import triton.language as tl
 from blunb.kernels.fused._common import autotune, num_sms, rows
 
 _MAX_N = 65536  # one row is held in registers
+# Never the auto choice: torch's native F.rms_norm measured faster on an H200 (16384x4096 bf16
+# fwd+bwd 0.313 vs 0.455 ms, results/bench/kernels.csv; on 1b's fp32 residual stream this kernel is
+# 0.30x, kernels_1b.csv), and under compile Inductor fuses it with the residual add and the cast.
+# The kernel stays for A/B with backend="triton" / kernels=rms_norm=triton.
+AUTO = False
 
 
 @autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=4), key=["N"])
@@ -119,10 +124,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[-1] > _MAX_N:
         raise ValueError(f"fused rms_norm supports a last dim up to {_MAX_N}, got {x.shape[-1]}")
     return rms_norm_fwd(x, weight, eps)[0]
-
-
-def prefer(x, weight, eps) -> bool:
-    """Never by default: torch's native F.rms_norm (the reference backend) measured faster on
-    an H200 (16384x4096 bf16 fwd+bwd: 0.313 ms vs 0.455 ms here, results/bench/kernels.csv).
-    This kernel stays available for A/B with backend="triton" / kernels=triton."""
-    return False
