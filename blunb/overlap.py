@@ -481,7 +481,8 @@ _BYTES = {label: _elem(dtype) for dtype, label in _LABEL.items()}
 def reduce_buffer_bytes(units: pd.DataFrame, world: int) -> dict[str, int]:
     """Per group, the bytes per rank its reduce dtype costs beyond reducing in the parameter dtype (on
     the same layout): ShardedAdamW's flat reduce buffer plus the change in its fp32 gradient staging of
-    the largest chunk (none when the reduce dtype is fp32); ShardedMuon rs_ag's reduce buffers (W chunks
+    the largest chunk (none when the reduce dtype is fp32; this is the torch update path's: the fused
+    CUDA update stages nothing, so there the buffer alone counts); ShardedMuon rs_ag's reduce buffers (W chunks
     + the own chunk per bucket). reduce_bcast Muon converts tensor by tensor, transiently: 0 here."""
     out = {}
     for name, u in units.groupby("group", sort=False):

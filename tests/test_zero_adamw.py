@@ -65,6 +65,27 @@ def test_fused_update_matches_the_torch_path(monkeypatch):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6 * theirs.abs().max().item())
 
 
+def test_the_fused_update_stages_no_gradient_until_a_step_leaves_a_parameter_out(monkeypatch):
+    """A bf16 group: the torch path keeps an fp32 staging buffer of the largest bucket chunk, the fused
+    update none (state_bytes says so). A step with a parameter left out runs the per-segment path on
+    both: the fused optimizer makes its staging buffer then, and that step is the torch path's exactly."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(37, 5, generator=gen), None, torch.randn(20, 15, generator=gen)]
+    ref, fused = _fused_and_torch_paths(monkeypatch, torch.bfloat16, 0, None, bucket_mb=0.0005)
+    stage_bytes = 4 * max(ref._bucket_chunk)
+    assert ref._grad_stage is not None and fused._grad_stage is None
+    assert ref.state_bytes() - fused.state_bytes() == stage_bytes
+    for opt in (ref, fused):
+        for p, g in zip(opt._params, grads):
+            p.grad = None if g is None else g.to(torch.bfloat16)
+        opt.step()
+    assert fused._grad_stage is not None and fused._grad_stage.numel() == stage_bytes // 4
+    for mine, theirs in ((fused._master, ref._master), (fused._exp_avg, ref._exp_avg),
+                         (fused._exp_avg_sq, ref._exp_avg_sq), (fused._flat_param, ref._flat_param)):
+        assert torch.equal(mine, theirs)
+
+
 def test_single_process_without_process_group_matches_adamw():
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]

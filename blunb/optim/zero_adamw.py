@@ -219,20 +219,27 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._shard_chunk(self._master, b).copy_(self._chunk_view(self._flat_param, b, self.rank))
         self._exp_avg = torch.zeros(S, dtype=torch.float32, device=dev)
         self._exp_avg_sq = torch.zeros(S, dtype=torch.float32, device=dev)
-        # The fused kernel wants fp32 gradients: a non-fp32 reduce stages one bucket's chunk
-        # at a time in fp32 (the update runs bucket by bucket), not the whole shard.
-        self._grad_stage = (None if self.red_dtype == torch.float32
-                            else torch.empty(max(self._bucket_chunk), dtype=torch.float32, device=dev))
+        # torch._fused_adamw_ wants fp32 gradients: a non-fp32 reduce stages one bucket's chunk at
+        # a time in fp32 (the update runs bucket by bucket), not the whole shard. The fused shard
+        # update reads the reduced gradient as it is: no staging (at 1b: lm_head's 103M-element
+        # bucket, 0.4 GB) unless a step leaves a parameter out (see step).
+        self._grad_stage = None if not self._stages_grads() else self._new_grad_stage()
         extra = self._extra_bytes(self.red_dtype) - self._extra_bytes(self.dtype)
         if self.red_dtype != self.dtype and self.rank == 0:
             log.info(f"[ShardedAdamW] reduce_dtype={reduce_dtype} on the {self.dtype} group "
                      f"({self.numel:,} params) costs {'+' if extra >= 0 else ''}{_mib(extra)} per rank "
                      f"vs reducing in the parameter dtype")
 
+    def _stages_grads(self, red_dtype=None) -> bool:
+        return not self._fused and (red_dtype or self.red_dtype) != torch.float32
+
+    def _new_grad_stage(self) -> torch.Tensor:
+        return torch.empty(max(self._bucket_chunk), dtype=torch.float32, device=self.device)
+
     def _extra_bytes(self, red_dtype) -> int:
         """Staging bytes beyond the 12 B/elem state for a given reduce dtype."""
         red = 0 if red_dtype == self.dtype else self.padded_numel * torch.empty((), dtype=red_dtype).element_size()
-        stage = 0 if red_dtype == torch.float32 else 4 * max(self._bucket_chunk)
+        stage = 4 * max(self._bucket_chunk) if self._stages_grads(red_dtype) else 0
         return red + stage
 
     def _build_update_lists(self) -> None:
@@ -391,6 +398,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         grad_scale = self.world / coef       # the kernel divides: g * coef / W
         g = self.param_groups[0]
         fused = self._fused and all(stepped)   # a parameter left out of the step: the per-segment path
+        if not fused and self._grad_stage is None and self.red_dtype != torch.float32:
+            # the fused update's first per-segment step: its staging buffer, made once, now
+            self._grad_stage = self._new_grad_stage()
+            self._build_update_lists()
         if fused:
             kernels._fused("adamw").adamw_update_(
                 self._master, self._exp_avg, self._exp_avg_sq, self._flat_red, self._flat_param, self._steps,
