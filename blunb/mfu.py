@@ -157,6 +157,13 @@ class MFUMeter:
         return "\n".join(lines)
 
     def summary(self) -> str:
+        if not self.ss_steps:  # zeros here would read as a measurement
+            return "\n".join([
+                "==================== MFU summary ====================",
+                f" too few steps for a steady figure: {self.seen} step(s) timed, the first {self.warmup_steps} "
+                f"are warm-up",
+                "=====================================================",
+            ])
         ss = self.steady_mfu()
         best = self.best_mfu * 100 if self.ss_steps and self.peak_flops_per_gpu > 0 else math.nan
         tflops = self.flops_per_token_causal * self.ss_tokens / max(self.ss_secs, 1e-12) / self.world_size / 1e12

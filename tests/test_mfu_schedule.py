@@ -35,6 +35,17 @@ def test_observe_drops_warmup_and_aggregates():
     assert m.best_mfu == pytest.approx(m.mfu(1.0, 1000))
 
 
+def test_a_run_too_short_for_a_steady_figure_says_so_instead_of_zeros():
+    m = MFUMeter.build(preset("tiny").model, seq_len=128, peak_tflops=1.0, warmup_steps=5)
+    for _ in range(3):
+        m.observe(0.5, 1000)
+    text = m.summary()
+    assert "too few steps for a steady figure" in text and "3 step(s) timed" in text
+    assert "tok/s" not in text and "0.00%" not in text
+    m.observe(0.5, 1000), m.observe(0.5, 1000), m.observe(0.5, 1000)
+    assert "steady tok/s      : 2000" in m.summary()
+
+
 def test_unknown_device_reports_na_and_override_wins(monkeypatch):
     monkeypatch.delenv("BLUNB_PEAK_TFLOPS", raising=False)
     cpu = MFUMeter.build(preset("tiny").model, seq_len=128, device_name="cpu")
