@@ -11,7 +11,7 @@ NPROC ?= 2
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: env check-env study studies test lint bench bench-speed clean-env
+.PHONY: env check-env study studies lab test lint bench bench-speed clean-env
 
 env: $(STAMP)
 
@@ -38,8 +38,9 @@ study: env
 	$(PY) -m papermill notebooks/00_quickstart.ipynb results/$(STUDY)/run0/run.ipynb \
 		-p study $(STUDY) -p nproc $(NPROC) -p publish True -k python3 --cwd notebooks
 
-# Every study notebook (notebooks/1*.ipynb) headless at its CPU defaults, each executed notebook
-# beside its runs in results/scratch/<notebook>/. GPU scale: pass parameters through blunb.study,
+# Every study notebook (notebooks/1*.ipynb) headless at its CPU defaults: the executed notebook goes to
+# results/scratch/<notebook>.ipynb, its runs and tables to results/scratch/<study>/. GPU scale: pass
+# parameters through blunb.study,
 # e.g. `python -m blunb.study notebooks/10_clipping.ipynb -p preset 124m -p publish True`.
 STUDIES ?= $(sort $(wildcard notebooks/1*.ipynb))
 studies: env
@@ -47,6 +48,12 @@ studies: env
 		echo "== $$nb"; \
 		$(PY) -m blunb.study $$nb || exit 1; \
 	done
+
+# JupyterLab from the project's environment (the notebooks' kernel is this venv's python). Jupyter
+# refuses to run as root without --allow-root: added only for root.
+LAB_ARGS ?=
+lab: env
+	$(PY) -m jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: env
 	$(PY) -m pytest -q
