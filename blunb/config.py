@@ -58,6 +58,16 @@ ALL_BF16 = "all_bf16"
 # the precision study's counter-example: bf16 parameters and moments with no fp32 master.
 TORCH_ADAMW = ("ddp_adamw", "adamw_bf16_nomaster")
 
+# The train data orders (blunb.data.build_train_loader): "windows" a seeded permutation of the
+# split's T-token windows, fresh each epoch; "shards" the legacy one (the shard files permuted,
+# then read strided), which only reproduces runs made before data_order existed.
+DATA_ORDERS = ("windows", "shards")
+# The fields seed stands in for when they are None.
+OPTIONAL_SEEDS = ("data_seed", "init_seed")
+# What a config.json without a field was run with, where that is not today's default: such a run
+# must not pass for one of today's (TrainConfig.from_dict, the study cache).
+PREDATED = {"data_order": "shards"}
+
 
 @dataclass
 class ModelConfig:
@@ -161,7 +171,10 @@ class TrainConfig:
     val_tokens: int = 1310720
     val_freq: int = 250
     val_loss_steps: int = 20
-    seed: int = 1337
+    seed: int = 1337                # both of the next two unless they are given
+    data_seed: int | None = None    # the train data order (None: seed); a study holds it to vary init only
+    init_seed: int | None = None    # the model's init and torch's / numpy's global RNGs (None: seed)
+    data_order: str = "windows"     # DATA_ORDERS; "shards" reproduces the runs made before this field
     data: str = "default"           # "default" (embedded corpus) or a folder of .bin shards
     device: str = "auto"            # "auto" | "cpu" | "cuda"
     kernels: str = "auto"           # "auto" | "torch" | "triton" | per op, e.g. "swiglu=torch,qk_norm_rope=torch"
@@ -234,6 +247,15 @@ class TrainConfig:
         if self.ckpt_freq < 0 or self.ckpt_keep < 1:
             raise ConfigError(f"ckpt_freq must be >= 0 (0 = off) and ckpt_keep >= 1, got {self.ckpt_freq} and "
                               f"{self.ckpt_keep}")
+        for name in ("seed", *OPTIONAL_SEEDS):
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_SEEDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0" + (" or None (= seed)" if name != "seed" else "")
+                                  + f", got {value!r}")
+        if self.data_order not in DATA_ORDERS:
+            raise ConfigError(f"data_order must be one of {DATA_ORDERS}, got {self.data_order!r}")
         if self.muon_buckets < 1:
             raise ConfigError(f"muon_buckets must be >= 1, got {self.muon_buckets}")
         if self.optimizer in TORCH_ADAMW:
@@ -257,6 +279,14 @@ class TrainConfig:
         """The (step, rank) pairs that fault_stall SIGSTOPs."""
         return _parse_faults("fault_stall", self.fault_stall)
 
+    def resolved_data_seed(self) -> int:
+        """The seed of the train data order: data_seed, or seed when it is None."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def resolved_init_seed(self) -> int:
+        """The seed of the model's init: init_seed, or seed when it is None."""
+        return self.seed if self.init_seed is None else self.init_seed
+
     def resolved_val_tokens(self) -> int:
         """Validation tokens over all ranks, a whole number of sequences (>= 1). The default does not
         depend on world size, so val_loss measures the same tokens at every W."""
@@ -277,7 +307,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        d = dict(d)
+        d = {**PREDATED, **d}
         model = ModelConfig(**d.pop("model"))
         return cls(model=model, **d)
 
@@ -382,7 +412,11 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
                               f"ModelConfig keys (optionally prefixed 'model.'): {sorted(model_keys)}; "
                               f"and {ALL_BF16} (sets {', '.join(BF16_STAGES)})")
         try:
-            setattr(target, name, _parse_value(raw, getattr(target, name)))
+            if target is cfg and name in OPTIONAL_SEEDS:  # None by default: the type is not in the value
+                value = None if raw.lower() == "none" else _parse_value(raw, 0)
+            else:
+                value = _parse_value(raw, getattr(target, name))
+            setattr(target, name, value)
         except ConfigError as err:
             raise ConfigError(f"override {item!r}: {err}") from None
     return cfg

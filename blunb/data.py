@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from blunb.config import ConfigError
+from blunb.config import DATA_ORDERS, ConfigError
 from blunb.tokenizer import (
     TOKENIZER_CHOICES,
     BPETokenizer,
@@ -590,15 +590,138 @@ def corpus_tokenizer(folder: str | Path):
         raise DataError(str(err)) from None
 
 
-# ---------------------------------------------------------------- loader
+# ---------------------------------------------------------------- loaders
+
+def _check_order(state: dict, order: str) -> None:
+    """A DataError unless the saved stream was read in data_order `order` (a state without the key
+    is the legacy shard loader's)."""
+    saved = state.get("order", "shards")
+    if saved != order:
+        raise DataError(f"the saved data stream is data_order={saved}, this run reads data_order={order}: resuming "
+                        f"would read other data (resume with data_order={saved})")
+
+
+def _check_same_shards(saved: list[str], names: list[str]) -> None:
+    """A DataError unless the saved stream read the same shard files, in the same order, as this loader."""
+    if saved != names:
+        at = next((i for i, (a, b) in enumerate(zip(saved, names)) if a != b), min(len(saved), len(names)))
+        raise DataError(f"the saved data stream reads {len(saved)} shard(s), this loader {len(names)}; they "
+                        f"first differ at position {at} ({saved[at] if at < len(saved) else 'none'} vs "
+                        f"{names[at] if at < len(names) else 'none'}): resuming would read other data")
+
+
+class WindowLoader:
+    """Per-rank batches of windows in a seeded order over the whole train split (data_order=windows).
+
+    The split is cut, shard by shard, into windows of T+1 tokens at stride T (a row's targets are its
+    inputs shifted by one; a shard's last < T+1 tokens start no window). Epoch e reads every window
+    exactly once, in the order of a permutation seeded by (data_seed, e); the epochs' orders, one after
+    the other, are one stream of rows, so two data seeds share almost no window order and one seed
+    always reads the same stream.
+
+    Each next_batch() gives rank r the B stream rows from cursor + B*r, then advances the cursor by
+    B*world_size (as ShardLoader strides tokens). A step of accum micro-batches therefore reads stream
+    rows [s*R, (s+1)*R), R = global_batch / T, at every world size and B: W=1 with accum 3 reads, micro
+    by micro, the rows that ranks 0, 1, 2 read at W=3 without accumulation. state_dict() is the
+    cursor as (epoch, position in its permutation): the same on every rank, so it resumes at any W.
+
+    Every shard stays memory-mapped for the loader's life: a row is one slice of a map (page-cache
+    reads), never a file opened per row.
+    """
+
+    order = "windows"
+
+    def __init__(self, shards: list[Path], B: int, T: int, rank: int = 0, world_size: int = 1, *,
+                 data_seed: int, vocab_size: int | None = None):
+        if not shards:
+            raise DataError("no shards given to the loader")
+        self.shards = [Path(p) for p in shards]
+        self.B, self.T, self.rank, self.world_size, self.data_seed = B, T, rank, world_size, data_seed
+        self._maps = [read_shard(p) for p in self.shards]
+        per_shard = [max(len(m) - 1, 0) // T for m in self._maps]
+        self._first = np.cumsum([0, *per_shard])  # the global index of each shard's first window
+        self.n_windows = int(self._first[-1])
+        need = B * world_size
+        if self.n_windows < need:
+            raise DataError(f"the train shards ({', '.join(p.name for p in self.shards)}) hold {self.n_windows} "
+                            f"window(s) of T+1 = {T + 1} tokens; one micro-batch over every rank needs "
+                            f"B*world_size = {need}")
+        if vocab_size is not None:
+            check_token_ids(self.shards, vocab_size)
+        self._perms: dict[int, np.ndarray] = {}
+        self.cursor = 0  # the stream row of the next micro-batch's first row (rank 0's)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s window order (global window indices), seeded by (data_seed, epoch)."""
+        if epoch not in self._perms:
+            if len(self._perms) == 2:  # a micro-batch spans at most two epochs: keep the two latest
+                del self._perms[min(self._perms)]
+            self._perms[epoch] = np.random.default_rng([self.data_seed, epoch]).permutation(self.n_windows)
+        return self._perms[epoch]
+
+    def _locate(self, first_row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, token offset) of the B windows at stream rows first_row, first_row + 1, ..."""
+        epochs, positions = np.divmod(np.arange(first_row, first_row + self.B), self.n_windows)
+        windows = np.empty(self.B, dtype=np.int64)
+        for e in np.unique(epochs):
+            at = epochs == e
+            windows[at] = self.permutation(int(e))[positions[at]]
+        shard = np.searchsorted(self._first, windows, side="right") - 1
+        return shard, (windows - self._first[shard]) * self.T
+
+    def where(self) -> list[tuple[str, int]]:
+        """(shard file name, token offset) of each row of this rank's next batch, for diagnostics."""
+        shard, offset = self._locate(self.cursor + self.B * self.rank)
+        return [(self.shards[s].name, int(o)) for s, o in zip(shard, offset)]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.T
+        shard, offset = self._locate(self.cursor + self.B * self.rank)
+        rows = np.stack([self._maps[s][o:o + T + 1] for s, o in zip(shard, offset)])
+        buf = torch.from_numpy(rows.astype(np.int64))
+        self.cursor += self.B * self.world_size
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+    def skip_batches(self, n: int) -> None:
+        """Advance past n batches without reading them (resume at the same data position)."""
+        self.cursor += n * self.B * self.world_size
+
+    def describe(self) -> dict:
+        """What defines the stream (env.json, the start lines)."""
+        return {"order": self.order, "data_seed": self.data_seed, "windows": self.n_windows,
+                "window_tokens": self.T + 1, "stride": self.T, "shards": len(self.shards)}
+
+    def state_dict(self) -> dict:
+        """Where the stream is: the epoch and the position in its permutation of the next micro-batch's
+        first row, with what the permutation depends on (shards, T, data_seed, the window count).
+        The same on every rank and independent of B and the world size."""
+        epoch, position = divmod(self.cursor, self.n_windows)
+        return {"order": self.order, "shards": [p.name for p in self.shards], "T": self.T,
+                "windows": self.n_windows, "data_seed": self.data_seed, "epoch": epoch, "position": position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where state_dict() was taken, bit-exactly, at any world size and B (the next step
+        reads the rows the saved run's next step would have read)."""
+        _check_order(state, self.order)
+        _check_same_shards(list(state["shards"]), [p.name for p in self.shards])
+        for key, mine in (("T", self.T), ("data_seed", self.data_seed), ("windows", self.n_windows)):
+            if state[key] != mine:
+                raise DataError(f"the saved data stream has {key}={state[key]}, this loader {key}={mine}: "
+                                f"resuming would read other data")
+        self.cursor = int(state["epoch"]) * self.n_windows + int(state["position"])
+
 
 class ShardLoader:
-    """Strided per-rank batches, like the seed's DataLoaderLite.
+    """The legacy order (data_order=shards): strided per-rank batches, like the seed's DataLoaderLite.
 
     Each call of next_batch() gives rank r the B*T(+1) tokens at `position`, then advances
     every rank by B*T*world_size, so ranks read disjoint, interleaved windows. At the end
     of a shard it moves to the next one (wrapping around), restarting at offset B*T*rank.
+    Every epoch reads the same windows in the same order; kept to reproduce the runs made
+    before WindowLoader (their config.json has no data_order).
     """
+
+    order = "shards"
 
     def __init__(self, shards: list[Path], B: int, T: int, rank: int = 0, world_size: int = 1, *,
                  vocab_size: int | None = None):
@@ -620,9 +743,9 @@ class ShardLoader:
         self.tokens = read_shard(self.shards[0])
         self.position = self.B * self.T * self.rank
 
-    def where(self) -> tuple[str, int]:
-        """(shard file name, token offset) of the next batch, for diagnostics."""
-        return self.shards[self.shard_idx].name, self.position
+    def where(self) -> list[tuple[str, int]]:
+        """[(shard file name, token offset)] of the next batch (one contiguous span), for diagnostics."""
+        return [(self.shards[self.shard_idx].name, self.position)]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.B, self.T
@@ -636,12 +759,16 @@ class ShardLoader:
         for _ in range(n):
             self._advance()
 
+    def describe(self) -> dict:
+        """What defines the stream (env.json, the start lines)."""
+        return {"order": self.order, "shards": [p.name for p in self.shards]}
+
     def state_dict(self) -> dict:
         """Where the stream is, independent of the world size: the shard order (by file name), the
         current shard and the offset in it of the next step's first token (this rank's position
         less its B*T*rank stagger). Every rank's dict is the same, except just before a shard end,
         where the last ranks move on to the next shard one micro-batch before the first ones."""
-        return {"shards": [p.name for p in self.shards], "shard_idx": self.shard_idx,
+        return {"order": self.order, "shards": [p.name for p in self.shards], "shard_idx": self.shard_idx,
                 "offset": self.position - self.B * self.T * self.rank, "B": self.B, "T": self.T,
                 "world_size": self.world_size}
 
@@ -650,12 +777,8 @@ class ShardLoader:
         per micro-batch exactly, otherwise at the same tokens until the next shard end (where the
         tail a rank skips depends on the world size). A rank whose first window would run past
         the shard's end starts the next shard, as the loader itself would."""
-        names, saved = [p.name for p in self.shards], list(state["shards"])
-        if saved != names:
-            at = next((i for i, (a, b) in enumerate(zip(saved, names)) if a != b), min(len(saved), len(names)))
-            raise DataError(f"the saved data stream reads {len(saved)} shard(s), this loader {len(names)}; they "
-                            f"first differ at position {at} ({saved[at] if at < len(saved) else 'none'} vs "
-                            f"{names[at] if at < len(names) else 'none'}): resuming would read other data")
+        _check_order(state, self.order)
+        _check_same_shards(list(state["shards"]), [p.name for p in self.shards])
         self.shard_idx = int(state["shard_idx"])
         self.tokens = read_shard(self.shards[self.shard_idx])
         self.position = int(state["offset"]) + self.B * self.T * self.rank
@@ -671,6 +794,18 @@ class ShardLoader:
             self.shard_idx = (self.shard_idx + 1) % len(self.shards)
             self.tokens = read_shard(self.shards[self.shard_idx])
             self.position = self.B * self.T * self.rank
+
+
+def build_train_loader(shards: list[Path], B: int, T: int, rank: int = 0, world_size: int = 1, *,
+                       order: str, data_seed: int, vocab_size: int | None = None) -> WindowLoader | ShardLoader:
+    """The train loader of data_order `order` (config.DATA_ORDERS) over `shards` (find_shards' order),
+    seeded by `data_seed`; every rank builds the same stream."""
+    if order == "windows":
+        return WindowLoader(shards, B, T, rank, world_size, data_seed=data_seed, vocab_size=vocab_size)
+    if order == "shards":
+        perm = np.random.default_rng(data_seed).permutation(len(shards))  # the legacy order: whole shards only
+        return ShardLoader([shards[i] for i in perm], B, T, rank, world_size, vocab_size=vocab_size)
+    raise ConfigError(f"data_order must be one of {DATA_ORDERS}, got {order!r}")
 
 
 class ValidationSet:
@@ -689,9 +824,13 @@ class ValidationSet:
                 if len(windows) == n_seq:
                     break
                 windows.append((path, start))
+        if not windows:
+            raise DataError(f"the val shards ({', '.join(p.name for p in shards)}) hold no window of T = {T} "
+                            f"tokens: train with a smaller T or on a corpus with a larger val split")
         if len(windows) < n_seq:
             raise DataError(f"the val shards ({', '.join(p.name for p in shards)}) hold {len(windows)} windows of "
-                            f"T = {T} tokens; val_tokens asks for {n_seq}")
+                            f"T = {T} tokens; val_tokens ({n_tokens}) asks for {n_seq}: set --set "
+                            f"val_tokens={len(windows) * T} (all of them) or less, or train on a larger corpus")
         self.T, self.n_seq = T, n_seq
         self._mine = windows[rank::world_size]
 

@@ -3,8 +3,10 @@
 Per step, from ONE batched device -> host read (and, at W > 1, one all_gather):
 
   [micro]   every rank's micro-batch losses, their median and the outliers (loss > median
-            + 0.5), each outlier named by rank, shard file and token offset. The step's loss
-            averages a bad micro-batch away; its gradient does not.
+            + 0.5), each outlier named by rank and, for each of its rows, shard file and token
+            offset (the window loader's rows come from anywhere in the split; the legacy shard
+            loader's micro-batch is one span). The step's loss averages a bad micro-batch away;
+            its gradient does not.
   [depth]   at ~5 evenly spaced layers (first and last included): the pre-reduce local
             ||grad(wQ)|| of every rank (the line shows rank 0's, diag.csv all of them),
             max|q_gamma| and max|wQ|. A blow-up that starts mid-stack and grows toward the
@@ -19,10 +21,10 @@ hook that reduces gradients in place during backward):
     diag = Diagnostics(model, rank, world_size, run_dir)
     for step in ...:
         for micro in ...:
-            shard, offset = loader.where()          # before next_batch: where this batch starts
+            rows = loader.where()                   # before next_batch: [(shard, offset)] of its rows
             x, y = loader.next_batch()
             ... forward, backward ...
-            diag.record_micro(loss, shard, offset)
+            diag.record_micro(loss, rows)
         opt.step()
         for line in diag.end_step(step): log(line)
     diag.close()
@@ -34,19 +36,19 @@ values describe the weights step N trained with (where the seed reads them too).
 
 diag.csv (rank 0, appended): tidy long format, one row per step and item, columns
 step,item,rank,micro,value,detail (rank / micro empty where they do not apply):
-  micro_loss              one per (rank, micro)  value loss        detail shard:offset
+  micro_loss              one per (rank, micro)  value loss        detail shard:offset per row, space-separated
   micro_median            one                    value median      (the seed's: sorted[n // 2])
-  micro_outlier           one per outlier        value loss        detail shard:offset
+  micro_outlier           one per outlier        value loss        detail shard:offset per row
   probe_grad_norm.L<l>    one per (layer, rank)  pre-reduce local ||grad(wQ)|| (nan: no grad this step)
   probe_max_abs_q_gamma.L<l>, probe_max_abs_wq.L<l>   one per layer, rank 0's
   replica_checksum_match  one                    value 1 or 0      detail r<rank>=0x<checksum> ...
 so a step has W*M + 1 + (outliers) + P*(W + 2) + 1 rows (M micro-batches per rank, P probes).
 
 Cost: no host sync before end_step; there, one small host -> device copy (the shard names and
-offsets), one gather of 1 + 3P + 10M int64 per rank and one read. The checksum is the heaviest
-part: a few int64 passes over the parameters in blocks of 4 Mi elements (64 MiB of temporaries
-+ a cached 32 MiB weight table), ~80 ms per step for seed-4b's 3.9 B parameters on one H200,
-well under 1% of that model's step.
+offsets), one gather of 1 + 3P + M(1 + 9R) int64 per rank (R rows per micro-batch) and one read.
+The checksum is the heaviest part: a few int64 passes over the parameters in blocks of 4 Mi
+elements (64 MiB of temporaries + a cached 32 MiB weight table), ~80 ms per step for seed-4b's
+3.9 B parameters on one H200, well under 1% of that model's step.
 """
 
 from __future__ import annotations
@@ -151,8 +153,8 @@ class StepReport:
     step: int
     probe_layers: list[int]
     losses: np.ndarray              # [W, M] micro-batch losses
-    shards: list[list[str]]         # [W][M] shard file names
-    offsets: np.ndarray             # [W, M] token offsets
+    shards: list[list[list[str]]]   # [W][M][R] shard file name of each row
+    offsets: np.ndarray             # [W, M, R] token offset of each row
     grad_norms: np.ndarray          # [W, P] pre-reduce local ||grad(wQ)|| (nan: no gradient this step)
     max_abs_q_gamma: np.ndarray     # [P] rank 0's
     max_abs_wq: np.ndarray          # [P] rank 0's
@@ -174,7 +176,8 @@ class StepReport:
         return [r for r, c in enumerate(self.checksums) if c != self.checksums[0]]
 
     def where(self, r: int, m: int) -> str:
-        return f"{self.shards[r][m]}:{self.offsets[r, m]}"
+        """Rank r's micro-batch m as `shard:offset` per row, space-separated."""
+        return " ".join(f"{s}:{o}" for s, o in zip(self.shards[r][m], self.offsets[r, m]))
 
     def lines(self) -> list[str]:
         """The seed's [micro] / [depth] lines and a [replica] line (an ERROR line on a mismatch)."""
@@ -184,8 +187,8 @@ class StepReport:
                     for r in range(W)]
         out = [f"  [micro] med {med:.4f} | "
                + (per_rank[0] if W == 1 else " | ".join(f"r{r} {txt}" for r, txt in enumerate(per_rank)))]
-        out += [f"  [micro] OUTLIER rank {r} m={m} loss {self.losses[r, m]:.4f} (median {med:.4f}) from shard "
-                f"{self.shards[r][m]} token offset {self.offsets[r, m]}" for r, m in self.outliers]
+        out += [f"  [micro] OUTLIER rank {r} m={m} loss {self.losses[r, m]:.4f} (median {med:.4f}) from "
+                f"{self.where(r, m)} (shard:token offset per row)" for r, m in self.outliers]
 
         def by_layer(values, fmt):
             return "".join(f" L{layer} {v:{fmt}}" for layer, v in zip(self.probe_layers, values))
@@ -241,7 +244,7 @@ class Diagnostics:
         self._hooks = [w.register_post_accumulate_grad_hook(_grad_norm_hook(weakref.ref(self), k))
                        for k, w in enumerate(self._wq)]
         self._losses: list[torch.Tensor] = []
-        self._where: list[tuple[str, int]] = []
+        self._where: list[list[tuple[str, int]]] = []
         self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last: StepReport | None = None       # the latest end_step's values
         self.rank = rank
@@ -262,14 +265,15 @@ class Diagnostics:
         if new:
             self._csv.writerow(CSV_COLUMNS)
 
-    def record_micro(self, loss: torch.Tensor, shard: str, offset: int) -> None:
-        """One micro-batch: its loss (kept on the device, no sync) and where it came from (the
-        loader's where() before its next_batch). The step's first call also reads the weights."""
+    def record_micro(self, loss: torch.Tensor, rows) -> None:
+        """One micro-batch: its loss (kept on the device, no sync) and where it came from: the
+        (shard, offset) of each of its rows, the loader's where() before its next_batch (every
+        micro-batch of every rank has as many). The step's first call also reads the weights."""
         if not self._losses:
             amax = torch.stack([t.detach().abs().amax().float() for t in self._q_gamma + self._wq])
             self._weights = (replica_checksum(self.params), amax)
         self._losses.append(loss.detach().reshape(()).float())
-        self._where.append((shard, int(offset)))
+        self._where.append([(shard, int(offset)) for shard, offset in rows])
 
     def end_step(self, step: int) -> list[str]:
         """After the optimizer step: gather the step's values from every rank, append its rows
@@ -281,10 +285,16 @@ class Diagnostics:
         nan = torch.full((), float("nan"), device=self.device)
         gnorm = torch.stack([nan if g is None else g for g in self._grad_norm])
         floats = torch.cat([gnorm, amax, torch.stack(self._losses)]).double()
-        where = np.zeros((M, 1 + _NAME_WORDS), dtype=np.int64)
-        for m, (shard, offset) in enumerate(self._where):
-            where[m, 0] = offset
-            where[m, 1:] = np.frombuffer(shard.encode()[-_NAME_BYTES:].ljust(_NAME_BYTES, b"\0"), dtype=np.int64)
+        R = len(self._where[0])
+        if any(len(rows) != R for rows in self._where):  # the gather's layout needs one R for all
+            raise RuntimeError(f"Diagnostics.end_step({step}): the micro-batches name "
+                               f"{sorted({len(w) for w in self._where})} rows; each must name as many")
+        where = np.zeros((M, R, 1 + _NAME_WORDS), dtype=np.int64)
+        for m, rows in enumerate(self._where):
+            for k, (shard, offset) in enumerate(rows):
+                where[m, k, 0] = offset
+                where[m, k, 1:] = np.frombuffer(shard.encode()[-_NAME_BYTES:].ljust(_NAME_BYTES, b"\0"),
+                                                dtype=np.int64)
         # One int64 row per rank: checksum | floats' bits | offsets and names.
         mine = torch.cat([checksum.reshape(1), floats.view(torch.int64),
                           torch.from_numpy(where.reshape(-1)).to(self.device)])
@@ -298,12 +308,12 @@ class Diagnostics:
         self._grad_norm = [None] * P
 
         values = table[:, 1: 1 + 3 * P + M].view(np.float64)
-        meta = table[:, 1 + 3 * P + M:].reshape(W, M, 1 + _NAME_WORDS)
+        meta = table[:, 1 + 3 * P + M:].reshape(W, M, R, 1 + _NAME_WORDS)
         self.last = StepReport(
             step=step, probe_layers=self.probe_layers, losses=values[:, 3 * P:],
-            shards=[[meta[r, m, 1:].tobytes().rstrip(b"\0").decode(errors="replace") for m in range(M)]
-                    for r in range(W)],
-            offsets=meta[:, :, 0], grad_norms=values[:, :P], max_abs_q_gamma=values[0, P: 2 * P],
+            shards=[[[meta[r, m, k, 1:].tobytes().rstrip(b"\0").decode(errors="replace") for k in range(R)]
+                     for m in range(M)] for r in range(W)],
+            offsets=meta[:, :, :, 0], grad_norms=values[:, :P], max_abs_q_gamma=values[0, P: 2 * P],
             max_abs_wq=values[0, 2 * P: 3 * P], checksums=table[:, 0])
         if self._csv is not None:
             self._csv.writerows(self.last.csv_rows())

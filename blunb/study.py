@@ -337,14 +337,17 @@ def _checked_overrides(what: str, overrides) -> list[str]:
 
 
 def _default_config() -> dict:
-    from blunb.config import TrainConfig
+    """What a config.json that predates a field was run with: today's defaults, except where a new field's
+    default changed the behaviour (config.PREDATED: a run without data_order read the legacy shard order)."""
+    from blunb.config import PREDATED, TrainConfig
 
-    return json.loads(TrainConfig().to_json())
+    return {**json.loads(TrainConfig().to_json()), **PREDATED}
 
 
 def _with_new_fields(stored: dict, default: dict) -> dict:
-    """`stored` with the config fields it predates added at their defaults: a field added to blunb after a
-    run was made, left at its default, does not make the run's config differ (nor its result stale)."""
+    """`stored` with the config fields it predates added at `default` (_default_config): a field added to
+    blunb after a run was made, left at its default, does not make the run's config differ (nor its result
+    stale); one whose default changes what a run does (data_order) fills in what the old run did."""
     out = dict(stored)
     for key, value in default.items():
         if key not in out:

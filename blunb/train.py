@@ -49,6 +49,8 @@ from blunb.data import (
     DataError,
     ShardLoader,
     ValidationSet,
+    WindowLoader,
+    build_train_loader,
     check_model_vocab,
     check_token_ids,
     corpus_meta,
@@ -243,7 +245,7 @@ class _Run:
     device: torch.device
     model: BLU
     opt: object                      # the optimizer set (blunb.optim.build's interface)
-    train_loader: ShardLoader
+    train_loader: WindowLoader | ShardLoader
     val_set: ValidationSet
     meter: MFUMeter
     metrics: MetricsWriter | None    # rank 0 only
@@ -300,17 +302,18 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
     data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
     resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
     meta = corpus_meta(data_dir)
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
+    init_seed = cfg.resolved_init_seed()
+    torch.manual_seed(init_seed)
+    np.random.seed(init_seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    # Shard order comes from the seed: every rank permutes identically.
-    order = np.random.default_rng(cfg.seed).permutation(len(train_shards))
-    train_loader = ShardLoader([train_shards[i] for i in order], cfg.B, cfg.T, rank, world_size)
+    # Every rank builds the same stream from data_seed; init_seed does not touch it.
+    train_loader = build_train_loader(train_shards, cfg.B, cfg.T, rank, world_size, order=cfg.data_order,
+                                      data_seed=cfg.resolved_data_seed())
     val_set = ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T, rank, world_size)
 
-    model = BLU(_model_config(cfg), device=device, seed=cfg.seed)
+    model = BLU(_model_config(cfg), device=device, seed=init_seed)
     if cfg.compile:
         # In place (nn.Module.compile): the model's forward is compiled and, through AOT autograd, its
         # backward, with the fused kernels as opaque custom ops; parameter names, hooks, DDP and
@@ -326,6 +329,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
     meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
                            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     facts = _run_facts(cfg, model, opt, device)
+    facts["data"] = {**train_loader.describe(), "data_seed": cfg.resolved_data_seed(), "init_seed": init_seed}
     clip = facts["optimizer"]["clip"]
     run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
                train_loader=train_loader, val_set=val_set, meter=meter, metrics=None,
@@ -441,6 +445,14 @@ def _start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str
     lines.append("kernels: " + " ".join(f"{op}={b}" for op, b in facts["kernels"].items()))
     lines.append(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
                  f"validation: {run.val_set.n_seq * cfg.T:,} tokens split over {run.world_size} rank(s)")
+    d = facts["data"]
+    if d["order"] == "windows":
+        order = (f"{d['windows']:,} windows of {d['window_tokens']} tokens (stride {d['stride']}) over {d['shards']} "
+                 f"shard(s), permuted afresh each epoch (one epoch: {d['windows'] * cfg.T / run.tokens_per_step:,.1f} "
+                 "steps)")
+    else:
+        order = f"legacy, whole shards permuted ({', '.join(d['shards'])}), each read strided"
+    lines.append(f"data order: {d['order']}, data_seed {d['data_seed']}: {order}; init_seed {d['init_seed']}")
     lines.append(f"non-finite gradient norm: nan_policy={cfg.nan_policy} "
                  + ("(the whole step is skipped on every rank)" if cfg.nan_policy == "step"
                     else "(only the group whose norm is non-finite skips, as the reference trainer)"))
@@ -533,7 +545,7 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
             (loss / run.accum).backward()
         loss_sum += loss.detach().float() / run.accum
         if run.diag is not None:
-            run.diag.record_micro(loss.detach(), *origin)
+            run.diag.record_micro(loss.detach(), origin)
         if micro == 0 and finish_previous is not None:
             finish_previous()
     work = dist.all_reduce(loss_sum, group=run.scalar_group, async_op=True) if run.world_size > 1 else None

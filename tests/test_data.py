@@ -88,7 +88,7 @@ def test_skip_batches_matches_reading(tmp_path):
     for _ in range(90):  # crosses into the second shard
         a.next_batch()
     b.skip_batches(90)
-    assert a.where() == b.where() and a.where()[0] == "train_1.bin"
+    assert a.where() == b.where() and a.where()[0][0] == "train_1.bin"
     assert np.array_equal(a.next_batch()[0], b.next_batch()[0])
 
 

@@ -31,7 +31,13 @@ def batch(step, micro, vocab):
 
 
 def where(step, micro):
-    return (LONG_SHARD if step == 2 else f"train_{step:03d}.bin"), 1000 * step + 64 * micro
+    """The (shard, offset) of each of a micro-batch's two rows (as the window loader's where() names them)."""
+    return [(LONG_SHARD if step == 2 else f"train_{step:03d}.bin", 1000 * step + 64 * micro),
+            (f"train_{micro:03d}.bin", 7 * step + micro)]
+
+
+def detail(rows):
+    return " ".join("%s:%d" % (shard[-64:], offset) for shard, offset in rows)
 
 
 def read_rows(path):
@@ -71,7 +77,7 @@ def test_single_process_micro_losses_probes_and_csv(tmp_path):
             if (step, micro) == OUTLIER:
                 loss = loss + 2.0
             losses.append(loss.item())
-            diag.record_micro(loss, *where(step, micro))
+            diag.record_micro(loss, where(step, micro))
         grad_norms = [torch.linalg.vector_norm(w.grad).item() for w in wq]
         opt.step()
         lines = diag.end_step(step)
@@ -86,7 +92,8 @@ def test_single_process_micro_losses_probes_and_csv(tmp_path):
             m = OUTLIER[1]
             assert rep.outliers == [(0, m)]
             assert outlier_lines == [f"  [micro] OUTLIER rank 0 m={m} loss {losses[m]:.4f} (median {median:.4f}) "
-                                     f"from shard train_001.bin token offset {1000 + 64 * m}"]
+                                     f"from train_001.bin:{1000 + 64 * m} train_{m:03d}.bin:{7 + m} (shard:token "
+                                     "offset per row)"]
         else:
             assert rep.outliers == [] and outlier_lines == []
         assert rep.grad_norms[0].tolist() == grad_norms
@@ -94,7 +101,9 @@ def test_single_process_micro_losses_probes_and_csv(tmp_path):
         assert rep.mismatched_ranks == [] and lines[-1].startswith("  [replica] 1 rank(s) bit-identical")
         assert lines[-2].startswith("  [depth] ||g(wQ)|| by layer (rank 0, pre-reduce): L0 ")
         expected.append((losses, grad_norms, wq_max, qg_max))
-    assert diag.last.shards[0] == [LONG_SHARD[-64:]] * ACCUM     # a long (ASCII) name keeps its last 64 bytes
+    # a long (ASCII) name keeps its last 64 bytes
+    assert diag.last.shards[0] == [[LONG_SHARD[-64:], f"train_{m:03d}.bin"] for m in range(ACCUM)]
+    assert diag.last.offsets[0].tolist() == [[2000 + 64 * m, 14 + m] for m in range(ACCUM)]
     diag.close()
 
     rows = read_rows(tmp_path / "diag.csv")
@@ -108,11 +117,11 @@ def test_single_process_micro_losses_probes_and_csv(tmp_path):
             by_item.setdefault(r["item"], []).append(r)
         micro = by_item["micro_loss"]
         assert [(r["rank"], int(r["micro"]), float(r["value"]), r["detail"]) for r in micro] == \
-            [("0", m, losses[m], "%s:%d" % (where(step, m)[0][-64:], where(step, m)[1])) for m in range(ACCUM)]
+            [("0", m, losses[m], detail(where(step, m))) for m in range(ACCUM)]
         assert float(by_item["micro_median"][0]["value"]) == sorted(losses)[ACCUM // 2]
         outl = by_item.get("micro_outlier", [])
         assert [(int(r["micro"]), r["detail"]) for r in outl] == \
-            ([(OUTLIER[1], "%s:%d" % where(*OUTLIER))] if n_out else [])
+            ([(OUTLIER[1], detail(where(*OUTLIER)))] if n_out else [])
         for k, layer in enumerate(layers):
             assert [float(r["value"]) for r in by_item[f"probe_grad_norm.L{layer}"]] == [grad_norms[k]]
             assert float(by_item[f"probe_max_abs_wq.L{layer}"][0]["value"]) == wq_max[k]
@@ -126,7 +135,7 @@ def test_missing_gradient_reads_nan_and_close_removes_the_hooks():
     diag = Diagnostics(model)
     with torch.no_grad():
         _, loss = model(*batch(0, 0, model.cfg.vocab_size))
-    diag.record_micro(loss, "s.bin", 0)
+    diag.record_micro(loss, [("s.bin", 0)])
     diag.end_step(0)
     assert all(math.isnan(v) for v in diag.last.grad_norms[0])
     with pytest.raises(RuntimeError, match="record_micro was not called"):
@@ -134,7 +143,7 @@ def test_missing_gradient_reads_nan_and_close_removes_the_hooks():
     diag.close()
     _, loss = model(*batch(0, 0, model.cfg.vocab_size))
     loss.backward()
-    diag.record_micro(loss.detach(), "s.bin", 0)
+    diag.record_micro(loss.detach(), [("s.bin", 0)])
     diag.end_step(2)
     assert all(math.isnan(v) for v in diag.last.grad_norms[0])   # closed: the hooks no longer fire
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from blunb import checkpoint as ckpt
 from blunb.config import apply_overrides, preset
-from blunb.data import ShardLoader, write_shard
+from blunb.data import build_train_loader, write_shard
 from blunb.model import BLU
 from blunb.optim.build import build_optimizers
 
@@ -46,7 +46,7 @@ def make_cfg(kind: str, overrides=()):
 
 
 def write_data(folder: Path) -> None:
-    """Two train shards, long enough that the compared steps never reach a shard end."""
+    """Two train shards of random byte tokens (1,248 windows of T = 32)."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for i in range(2):
@@ -61,7 +61,9 @@ def make_run(cfg, data_dir: Path, seed: int):
     rank, world = rank_world()
     model = BLU(cfg.model, seed=seed)
     opt = build_optimizers(model, cfg, torch.device("cpu"), world)
-    loader = ShardLoader(sorted(Path(data_dir).glob("train_*.bin")), cfg.B, cfg.T, rank, world)
+    # The trainer's loader (data_order windows): its state must carry the stream across the resume at any W.
+    loader = build_train_loader(sorted(Path(data_dir).glob("train_*.bin")), cfg.B, cfg.T, rank, world,
+                                order=cfg.data_order, data_seed=cfg.resolved_data_seed())
     return model, opt, loader
 
 

@@ -54,7 +54,13 @@ def batch(step, rank, micro, vocab, device):
 
 
 def where(step, rank, micro):
-    return f"train_r{rank}_{step % 2}.bin", 10_000 * step + 100 * rank + 7 * micro
+    """(shard, offset) of each of a micro-batch's two rows."""
+    return [(f"train_r{rank}_{step % 2}.bin", 10_000 * step + 100 * rank + 7 * micro),
+            (f"train_m{micro}.bin", 3 * step + rank)]
+
+
+def detail(rows):
+    return " ".join("%s:%d" % row for row in rows)
 
 
 def local_grad_norms(cfg, rank, layers, device):
@@ -89,7 +95,7 @@ def run_case(name, overrides, expect_match, rank, world, run_dir, device):
             if (step, rank, micro) == (OUTLIER_STEP, last, 1):
                 loss = loss + 3.0
             mine.append(float(loss.detach().float()))
-            diag.record_micro(loss, *where(step, rank, micro))
+            diag.record_micro(loss, where(step, rank, micro))
         opt.step()
         lines = diag.end_step(step)
         rep = diag.last
@@ -98,18 +104,18 @@ def run_case(name, overrides, expect_match, rank, world, run_dir, device):
         dist.all_gather_object(everyone, lines)
         assert all(other == lines for other in everyone), f"{name}: ranks disagree on the report at step {step}"
         assert rep.losses[rank].tolist() == mine, (name, step, rep.losses[rank], mine)
-        assert [(s, int(o)) for s, o in zip(rep.shards[rank], rep.offsets[rank])] == \
-            [where(step, rank, m) for m in range(ACCUM)]
+        assert [[(s, int(o)) for s, o in zip(names, offsets)] for names, offsets in
+                zip(rep.shards[rank], rep.offsets[rank])] == [where(step, rank, m) for m in range(ACCUM)]
         if step == 0:
             expected = local_grad_norms(cfg, rank, diag.probe_layers, device).cpu()
             torch.testing.assert_close(torch.from_numpy(rep.grad_norms[rank].copy()), expected, rtol=1e-6, atol=0)
             assert len({tuple(row) for row in rep.grad_norms.tolist()}) == world, "the norms look reduced"
         outlier_line = [ln for ln in lines if "OUTLIER" in ln]
         if step == OUTLIER_STEP:
-            shard, offset = where(step, last, 1)
             assert rep.outliers == [(last, 1)], rep.outliers
             assert outlier_line == [f"  [micro] OUTLIER rank {last} m=1 loss {rep.losses[last, 1]:.4f} "
-                                    f"(median {rep.median:.4f}) from shard {shard} token offset {offset}"], outlier_line
+                                    f"(median {rep.median:.4f}) from {detail(where(step, last, 1))} (shard:token "
+                                    "offset per row)"], outlier_line
         else:
             assert not outlier_line, outlier_line
         bad = [ln for ln in lines if "[replica] ERROR" in ln]
@@ -133,10 +139,10 @@ def run_case(name, overrides, expect_match, rank, world, run_dir, device):
             assert [int(r["value"]) for r in match] == [expect_match[step]], (name, step, match)
             losses = [r for r in at if r["item"] == "micro_loss"]
             assert sorted((int(r["rank"]), int(r["micro"]), r["detail"]) for r in losses) == \
-                sorted((q, m, "%s:%d" % where(step, q, m)) for q in range(world) for m in range(ACCUM))
+                sorted((q, m, detail(where(step, q, m))) for q in range(world) for m in range(ACCUM))
             outl = [r for r in at if r["item"] == "micro_outlier"]
             assert [(int(r["rank"]), int(r["micro"]), r["detail"]) for r in outl] == \
-                ([(last, 1, "%s:%d" % where(step, last, 1))] if n_out else [])
+                ([(last, 1, detail(where(step, last, 1)))] if n_out else [])
             norms = [r for r in at if r["item"].startswith("probe_grad_norm.")]
             assert sorted({int(r["rank"]) for r in norms}) == list(range(world)) and len(norms) == P * world
         print(f"OK W={world} {name}", flush=True)
