@@ -3,8 +3,9 @@
 The reference trainer clips each optimizer group on its own norm (per-group, the default) or
 with one coefficient for all groups (global_clip), derived from the norm of the gradients it
 actually scales ("covered": Muon's orthogonalized matrices withhold the clip) or, with
-global_clip_strict, from the full norm. Its audit made five claims, checked here by the
-clipping study (notebooks/10_clipping.ipynb):
+global_clip_strict, from the full norm. Its audit (the comment on global clipping in the seed's
+main(), after docs/ZERO1_CLIPPING_AUDIT.md) made five claims; notebooks/10_clipping_claims.py
+declares the tests of each, and the clipping study (notebooks/10_clipping.ipynb) evaluates them:
 
 1. The body's gradient norm is always larger than the rest's (body / fp32 group ratio
    4.4, 2.4, 16.2, 17.2 over steps 0-199, 800-999, 1400-1599, 1800-1999 of 2000).
@@ -16,7 +17,7 @@ clipping study (notebooks/10_clipping.ipynb):
 4. The per-group vs global difference in step size is not the coefficient ratio (2.6x) but
    ~5% RMS, because Adam is invariant to a constant gradient factor (adam_replay_distortion).
 5. The A/B per-group vs global differs by 0.005 mean loss, inside the 0.019 seed-to-seed
-   noise floor (blunb.study.matched_step_difference).
+   noise floor (tested as a paired TOST of final val loss: blunb.stats.paired_tost).
 
 Group names are the trainer's metric suffixes (norm_<group>, clip_<group>): adamw_fp32 (the
 embedding and every 1-D scale), adamw_bf16 (the Linears under AdamW), muon (the body's
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+
+from blunb.config import ModelConfig
 
 # The reference audit's step windows, as fractions of a 2000-step run (steps 0-199, 800-999,
 # 1400-1599, 1800-1999), so runs of any length bin the same way.
@@ -78,18 +81,24 @@ def body_rest_ratio(metrics: pd.DataFrame, config: dict) -> pd.DataFrame:
 
 def stable_phase_drift(metrics: pd.DataFrame, config: dict, edge: float = 0.1) -> dict:
     """How the global clip coefficient and the body's norm move across the stable phase: means
-    over its first and last `edge` fraction (coef_start, coef_end, body_start, body_end), and the
-    correlation of log coefficient with log body norm over the whole stable phase (log_corr: -1
-    when the coefficient is set by the body's norm alone)."""
+    over its first and last `edge` fraction (coef_start, coef_end, body_start, body_end). No
+    correlation of the two: while the clip is active the strict coefficient is grad_clip / ||g||
+    by construction, so a correlation with the body's norm could not fail; the drift's size can."""
     warmup, stable = config["warmup_steps"], config["stable_steps"]
     width = max(1, round(edge * stable))
     head = metrics[(metrics["step"] >= warmup) & (metrics["step"] < warmup + width)]
     tail = metrics[(metrics["step"] >= warmup + stable - width) & (metrics["step"] < warmup + stable)]
-    plateau = metrics[(metrics["step"] >= warmup) & (metrics["step"] < warmup + stable)]
     body = f"norm_{body_group(metrics)}"
-    log_corr = np.corrcoef(np.log(plateau["global_clip_coef"]), np.log(plateau[body]))[0, 1]
     return {"coef_start": float(head["global_clip_coef"].mean()), "coef_end": float(tail["global_clip_coef"].mean()),
-            "body_start": float(head[body].mean()), "body_end": float(tail[body].mean()), "log_corr": float(log_corr)}
+            "body_start": float(head[body].mean()), "body_end": float(tail[body].mean())}
+
+
+def window_ratio_log_error(metrics: pd.DataFrame, config: dict) -> float:
+    """How far this run's body / rest ratio in the reference's four windows lies from the
+    reference's (SEED_BODY_RATIOS): the largest |ln(ours / reference)| over the windows, so
+    ln 2 means the worst window is off by a factor of 2 either way."""
+    ours = body_rest_ratio(metrics, config).query("kind == 'window'")["ratio"].to_numpy()
+    return float(np.max(np.abs(np.log(ours / np.asarray(SEED_BODY_RATIOS)))))
 
 
 def coverage(metrics: pd.DataFrame) -> dict:
@@ -100,6 +109,27 @@ def coverage(metrics: pd.DataFrame) -> dict:
             "unclipped_frac": float(1 - metrics["clip_covered_frac"].mean()),
             "rest_sq_share_min": float(share.min()), "rest_sq_share_median": float(share.median()),
             "rest_sq_share_max": float(share.max())}
+
+
+def rest_sq_share_by_phase(metrics: pd.DataFrame, config: dict) -> dict:
+    """The median over steps of the rest (AdamW) group's share of ||g||^2, over the whole run, after
+    warmup and over the stable phase (where the strict coefficient's drift is read)."""
+    share = metrics[f"norm_{REST_GROUP}"] ** 2 / metrics["grad_norm"] ** 2
+    phase = wsd_phase(metrics["step"], config)
+    return {"run": float(share.median()), "after_warmup": float(share[phase != "warmup"].median()),
+            "stable": float(share[phase == "stable"].median())}
+
+
+def muon_unclipped_fraction(model_cfg: ModelConfig) -> float:
+    """The fraction of parameters in Muon's group (so no clip scales them) for a model shape, from
+    its dimensions: the seed's split (blunb.optim.muon.muon_param_groups) gives AdamW the embedding,
+    an untied lm_head and every 1-D scale, and Muon the rest. No model is built, so the reference's
+    3.9B shape costs nothing (tests hold this to muon_param_groups on a real model)."""
+    c = model_cfg
+    total = c.num_params()
+    embedding_and_head = c.vocab_size * c.d_model * (1 if c.weight_tying else 2)
+    scales = c.n_layers * (2 * c.d_model + 2 * c.head_dim) + c.d_model  # RMSNorm scales, q/k gammas, final norm
+    return (total - embedding_and_head - scales) / total
 
 
 def per_group_coef(norms: pd.Series, grad_clip: float) -> pd.Series:

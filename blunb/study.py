@@ -4,7 +4,8 @@ A study notebook describes its grid and runs it; every run is a `blunb.train` la
 (torchrun when nproc > 1) into `<root>/<study>/<arm>-s<seed>/`, with `seed=<seed>` added to the
 arm's overrides:
 
-    from blunb.study import Study, matched_step_difference, mean_ci
+    from blunb.stats import matched_step_difference, mean_ci
+    from blunb.study import Study
 
     study = Study("warmup", arms={"base": [], "long": ["warmup_steps=20"]}, seeds=[0, 1, 2],
                   preset="tiny", steps=60)            # root=results_root() / "scratch" for scratch runs
@@ -46,12 +47,10 @@ import argparse
 import ast
 import json
 import logging
-import math
 import numbers
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -59,7 +58,6 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import pandas as pd
 
@@ -545,166 +543,6 @@ def _write_csv(df: pd.DataFrame, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")  # a reader never sees half a table
     df.to_csv(tmp, index=False)
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------- statistics
-
-class MeanCI(NamedTuple):
-    """The mean of n values with a two-sided t-based confidence interval [low, high]."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-
-
-def _t_quantile(confidence: float, df: int) -> float:
-    """t such that P(|T| < t) = confidence for Student's t with integer df: bisection on the
-    closed-form cdf (Abramowitz & Stegun 26.7.3-4), so no scipy is needed."""
-    def inside(t: float) -> float:
-        theta = math.atan(t / math.sqrt(df))
-        c2, s = math.cos(theta) ** 2, math.sin(theta)
-        if df % 2 == 0:
-            term = total = 1.0
-            for k in range(1, df // 2):
-                term *= (2 * k - 1) / (2 * k) * c2
-                total += term
-            return s * total
-        term = total = math.cos(theta)
-        for k in range(1, (df - 1) // 2):
-            term *= (2 * k) / (2 * k + 1) * c2
-            total += term
-        return 2 / math.pi * (theta + (s * total if df > 1 else 0.0))
-
-    lo, hi = 0.0, 1.0
-    while inside(hi) < confidence:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if inside(mid) < confidence else (lo, mid)
-        if hi - lo <= 1e-12 * hi:
-            break
-    return (lo + hi) / 2
-
-
-def mean_ci(values, confidence: float = 0.95) -> MeanCI:
-    """Mean and t-based CI across seeds. NaNs (failed runs) are dropped and n counts the rest;
-    with one value the interval is NaN (a spread from one seed is unknown, not zero)."""
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    raw = list(values)
-    if not raw:
-        raise ValueError("mean_ci of no values")
-    xs = [float(v) for v in raw if not math.isnan(float(v))]
-    n, nan = len(xs), float("nan")
-    if n == 0:
-        return MeanCI(nan, nan, nan, 0)
-    mean = statistics.fmean(xs)
-    if n == 1:
-        return MeanCI(mean, nan, nan, 1)
-    half = _t_quantile(confidence, n - 1) * statistics.stdev(xs) / math.sqrt(n)
-    return MeanCI(mean, mean - half, mean + half, n)
-
-
-def diff_ci(a, b, confidence: float = 0.95) -> MeanCI:
-    """mean(a) - mean(b) of two independent samples with Welch's t interval (unequal variances;
-    the Welch-Satterthwaite df rounded down, which only widens the interval). NaNs are dropped; n is
-    the smaller sample's size; fewer than two values on a side gives a NaN interval."""
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    xs, ys = ([float(v) for v in vals if not math.isnan(float(v))] for vals in (a, b))
-    nan = float("nan")
-    if not xs or not ys:
-        return MeanCI(nan, nan, nan, 0)
-    diff = statistics.fmean(xs) - statistics.fmean(ys)
-    if len(xs) < 2 or len(ys) < 2:
-        return MeanCI(diff, nan, nan, min(len(xs), len(ys)))
-    va, vb = statistics.variance(xs) / len(xs), statistics.variance(ys) / len(ys)
-    if va + vb == 0:
-        return MeanCI(diff, diff, diff, min(len(xs), len(ys)))
-    df = (va + vb) ** 2 / (va ** 2 / (len(xs) - 1) + vb ** 2 / (len(ys) - 1))
-    half = _t_quantile(confidence, max(1, math.floor(df))) * math.sqrt(va + vb)
-    return MeanCI(diff, diff - half, diff + half, min(len(xs), len(ys)))
-
-
-def curve_band(metrics_long: pd.DataFrame, metric: str = "val_loss", confidence: float = 0.95) -> pd.DataFrame:
-    """Per arm and step, the mean of `metric` across seeds and its t-based CI (mean_ci): columns
-    arm, step, mean, low, high, n. What a loss-curve plot with a CI band draws."""
-    rows = metrics_long[(metrics_long["metric"] == metric) & metrics_long["value"].notna()]
-    if rows.empty:
-        raise ValueError(f"no values of metric {metric!r}; the table has {sorted(metrics_long['metric'].unique())}")
-    out = [{"arm": arm, "step": step, **mean_ci(group["value"], confidence)._asdict()}
-           for (arm, step), group in rows.groupby(["arm", "step"], sort=True)]
-    return pd.DataFrame(out, columns=["arm", "step", "mean", "low", "high", "n"])
-
-
-def first_crossing(metrics: pd.DataFrame, target: float, metric: str = "val_loss", x: str = "tokens") -> float:
-    """The value of column `x` where `metric` first falls to `target` or below, interpolated
-    linearly between the last point above and the first at or below (tokens to a target loss,
-    say); NaN when it never does. Rows without the metric (steps between validations) are skipped."""
-    rows = metrics[[x, metric]].dropna()
-    hit = (rows[metric] <= target).to_numpy()
-    if not hit.any():
-        return float("nan")
-    i = int(hit.argmax())
-    if i == 0:
-        return float(rows[x].iloc[0])
-    (x0, y0), (x1, y1) = rows.iloc[i - 1].to_numpy(), rows.iloc[i].to_numpy()
-    return float(x0 + (x1 - x0) * (y0 - target) / (y0 - y1))
-
-
-@dataclass
-class MatchedDifference:
-    """arm_a minus arm_b on `metric`, step by step over the steps both arms have.
-
-    per_step: step, mean_a, mean_b, diff (mean_a - mean_b), sd_a, sd_b (across seeds), n_a, n_b
-    (seeds with a value), noise (sqrt((sd_a^2 + sd_b^2) / 2), the seed-to-seed spread).
-    mean_diff: the mean of diff; noise_floor: the mean of noise over the steps where it is known
-    (NaN with one seed per arm).
-    exceeds_noise: |mean_diff| > noise_floor, i.e. the arms differ by more than seeds do.
-    """
-
-    arm_a: str
-    arm_b: str
-    metric: str
-    per_step: pd.DataFrame
-    mean_diff: float
-    noise_floor: float
-
-    @property
-    def exceeds_noise(self) -> bool:
-        return bool(abs(self.mean_diff) > self.noise_floor)  # False when the floor is NaN: unknown
-
-
-def matched_step_difference(metrics_long: pd.DataFrame, arm_a: str, arm_b: str,
-                            metric: str = "val_loss") -> MatchedDifference:
-    """Compare two arms of metrics_long (arm, seed, step, metric, value) at the steps both have."""
-    missing = set(LONG_COLUMNS) - set(metrics_long.columns)
-    if missing:
-        raise ValueError(f"metrics_long needs columns {LONG_COLUMNS}; missing {sorted(missing)}")
-    arms = sorted(metrics_long["arm"].unique())
-    for arm in (arm_a, arm_b):
-        if arm not in arms:
-            raise ValueError(f"unknown arm {arm!r}; the table has {arms}")
-    rows = metrics_long[(metrics_long["metric"] == metric) & metrics_long["value"].notna()]
-    if rows.empty:
-        raise ValueError(f"no values of metric {metric!r}; the table has {sorted(metrics_long['metric'].unique())}")
-    if rows.duplicated(["arm", "seed", "step"]).any():
-        raise ValueError(f"metrics_long has more than one {metric!r} value for some (arm, seed, step)")
-
-    def per_arm(arm: str) -> pd.DataFrame:
-        return rows[rows["arm"] == arm].groupby("step")["value"].agg(["mean", "std", "count"])
-
-    both = per_arm(arm_a).merge(per_arm(arm_b), left_index=True, right_index=True, suffixes=("_a", "_b"))
-    if both.empty:
-        raise ValueError(f"arms {arm_a!r} and {arm_b!r} have no step with {metric!r} in common")
-    per_step = pd.DataFrame({"step": both.index, "mean_a": both["mean_a"].values, "mean_b": both["mean_b"].values,
-                             "diff": (both["mean_a"] - both["mean_b"]).values, "sd_a": both["std_a"].values,
-                             "sd_b": both["std_b"].values, "n_a": both["count_a"].values,
-                             "n_b": both["count_b"].values})
-    per_step["noise"] = ((per_step["sd_a"] ** 2 + per_step["sd_b"] ** 2) / 2) ** 0.5
-    return MatchedDifference(arm_a, arm_b, metric, per_step, float(per_step["diff"].mean()),
-                             float(per_step["noise"].mean()))
 
 
 # ---------------------------------------------------------------- CLI

@@ -5,15 +5,22 @@ import pandas as pd
 import pytest
 
 from blunb.clip_audit import (
+    SEED_BODY_RATIOS,
     adam_replay_distortion,
     body_group,
     body_rest_ratio,
     coverage,
+    muon_unclipped_fraction,
     per_group_coef,
+    rest_sq_share_by_phase,
     seed_window_labels,
     stable_phase_drift,
+    window_ratio_log_error,
     wsd_phase,
 )
+from blunb.config import preset
+from blunb.model import BLU
+from blunb.optim.muon import muon_param_groups
 
 CONFIG = {"warmup_steps": 2, "stable_steps": 5, "max_steps": 10}
 
@@ -48,11 +55,39 @@ def test_body_group_prefers_muon_and_names_the_fix_for_fp32_adamw():
 
 def test_stable_phase_drift_and_coverage():
     drift = stable_phase_drift(metrics(), {**CONFIG, "stable_steps": 5}, edge=0.2)  # one step at each end
-    assert drift == pytest.approx({"coef_start": 1 / 4, "coef_end": 1 / 8, "body_start": 4.0, "body_end": 8.0,
-                                   "log_corr": -1.0})  # coef = 1 / body norm exactly
+    assert drift == pytest.approx({"coef_start": 1 / 4, "coef_end": 1 / 8, "body_start": 4.0, "body_end": 8.0})
     cov = coverage(metrics())
     assert cov["unclipped_frac"] == pytest.approx(0.94)
     assert cov["rest_sq_share_max"] == pytest.approx(1 / 5) and cov["rest_sq_share_min"] == pytest.approx(1 / 122)
+
+
+def test_rest_share_by_phase_reads_the_phase_it_names():
+    share = rest_sq_share_by_phase(metrics(), CONFIG)  # rest^2 / (body^2 + 1) with body 2 + step
+    at = lambda body: 1 / (body ** 2 + 1)
+    assert share["stable"] == pytest.approx(at(6.0))                        # steps 2..6: body 4..8
+    assert share["after_warmup"] == pytest.approx((at(7.0) + at(8.0)) / 2)  # steps 2..9: body 4..11
+    assert share["run"] == pytest.approx((at(6.0) + at(7.0)) / 2)           # steps 0..9: body 2..11
+
+
+def test_window_ratio_log_error_is_the_worst_window_off_the_reference():
+    steps = np.arange(20)
+    body = np.full(20, 100.0)  # outside the windows: never read
+    for (_, a, b), ratio in zip(seed_window_labels(20), SEED_BODY_RATIOS):  # steps 0-1, 8-9, 14-15, 18-19
+        body[a:b] = ratio
+    m = pd.DataFrame({"step": steps, "norm_muon": body, "norm_adamw_fp32": np.ones(20)})
+    config = {"warmup_steps": 2, "stable_steps": 10, "max_steps": 20}
+    assert window_ratio_log_error(m, config) == pytest.approx(0.0, abs=1e-12)
+    m.loc[m["step"].isin([14, 15]), "norm_muon"] /= 4.0            # the third window 4x low
+    assert window_ratio_log_error(m, config) == pytest.approx(np.log(4.0))
+
+
+@pytest.mark.parametrize("tying", [True, False])
+def test_muon_unclipped_fraction_is_the_partition_of_a_real_model(tying):
+    cfg = preset("tiny").model
+    cfg.weight_tying = tying
+    muon, rest = (sum(p.numel() for p in g["params"]) for g in muon_param_groups(BLU(cfg)))
+    assert muon_unclipped_fraction(cfg) == pytest.approx(muon / (muon + rest), rel=1e-12)
+    assert 0.9 < muon_unclipped_fraction(preset("seed-4b").model) < 0.95  # the reference's shape: ~94% said
 
 
 def test_per_group_coef_is_torchs_rule():

@@ -1,10 +1,9 @@
-"""blunb.study: grid checks before any launch, parallel runs, caching, failure reports, statistics, the CLI."""
+"""blunb.study: grid checks before any launch, parallel runs, caching, failure reports, the CLI
+(its statistics moved to blunb.stats: tests/test_stats.py)."""
 
 import json
 import logging
-import math
 import os
-import statistics
 import subprocess
 import sys
 
@@ -21,10 +20,6 @@ from blunb.study import (
     Study,
     StudyError,
     _slots,
-    diff_ci,
-    first_crossing,
-    matched_step_difference,
-    mean_ci,
     run_study,
 )
 from tests.distributed import REPO
@@ -139,92 +134,6 @@ def test_slots_cut_gpus_into_groups_of_nproc():
     assert _slots(gpus, 1, 2, 3, 64) == ["0", "1", "2"]
     with pytest.raises(ValueError, match="nproc=2 needs 2 GPUs per run, but 1 are visible"):
         _slots(["7"], 2, 1, None, 64)
-
-
-# ---------------------------------------------------------------- statistics
-
-# Two-sided Student t critical values (standard tables): (confidence, df) -> t.
-T_TABLE = {(0.95, 1): 12.706204736, (0.95, 2): 4.302652730, (0.95, 3): 3.182446305, (0.95, 4): 2.776445105,
-           (0.95, 9): 2.262157163, (0.95, 30): 2.042272456, (0.99, 5): 4.032142984, (0.90, 7): 1.894578605}
-
-
-@pytest.mark.parametrize("confidence, df", sorted(T_TABLE))
-def test_mean_ci_is_t_based(confidence, df):
-    n = df + 1
-    values = [10.0 + i for i in range(n)]
-    mean, sd = 10.0 + df / 2, math.sqrt(n * (n + 1) / 12)  # 0..df: sample sd of consecutive integers
-    ci = mean_ci(values, confidence)
-    assert ci.n == n and ci.mean == pytest.approx(mean)
-    assert (ci.high - ci.mean) / (sd / math.sqrt(n)) == pytest.approx(T_TABLE[(confidence, df)], rel=1e-9)
-    assert ci.mean - ci.low == pytest.approx(ci.high - ci.mean)
-    try:
-        from scipy import stats
-    except ImportError:
-        return
-    assert ci.high - ci.mean == pytest.approx(stats.t.ppf((1 + confidence) / 2, df) * sd / math.sqrt(n), rel=1e-9)
-
-
-def test_mean_ci_edge_cases():
-    ci = mean_ci([2.5])
-    assert ci.mean == 2.5 and ci.n == 1 and math.isnan(ci.low) and math.isnan(ci.high)  # one seed: unknown, not 0
-    ci = mean_ci(pd.Series([1.0, float("nan"), 3.0]))  # a failed run's NaN is dropped and not counted
-    assert ci.n == 2 and ci.mean == 2.0 and ci.high == pytest.approx(2.0 + 12.706204736)
-    ci = mean_ci([float("nan")])
-    assert ci.n == 0 and math.isnan(ci.mean)
-    assert mean_ci([4.0, 4.0, 4.0]) == (4.0, 4.0, 4.0, 3)
-    with pytest.raises(ValueError, match="no values"):
-        mean_ci([])
-    with pytest.raises(ValueError, match="confidence"):
-        mean_ci([1.0, 2.0], confidence=95)
-
-
-def _long(arm, seed, values, metric="val_loss"):
-    return [{"arm": arm, "seed": seed, "step": s, "metric": metric, "value": v} for s, v in values.items()]
-
-
-def test_first_crossing_interpolates_and_says_never():
-    m = pd.DataFrame({"tokens": [0, 10, 20, 30, 40], "val_loss": [5.0, None, 3.0, None, 1.0]})
-    assert first_crossing(m, 2.0) == pytest.approx(30.0)   # between (20, 3.0) and (40, 1.0)
-    assert first_crossing(m, 5.0) == 0.0 and first_crossing(m, 3.0) == 20.0
-    assert math.isnan(first_crossing(m, 0.5))
-
-
-def test_matched_step_difference_on_hand_made_numbers():
-    rows = (_long("a", 0, {0: 5.0, 10: 4.0, 20: 3.0}) + _long("a", 1, {0: 5.2, 10: 4.4, 20: 3.1})
-            + _long("b", 0, {0: 5.0, 10: 4.6, 30: 2.0}) + _long("b", 1, {0: 5.4, 10: 4.8})
-            + _long("a", 0, {0: 9.0}, metric="train_loss"))
-    d = matched_step_difference(pd.DataFrame(rows), "a", "b")
-    p = d.per_step
-    assert list(p["step"]) == [0, 10]  # 20 only in a, 30 only in b
-    assert p["mean_a"].tolist() == pytest.approx([5.1, 4.2]) and p["mean_b"].tolist() == pytest.approx([5.2, 4.7])
-    assert p["diff"].tolist() == pytest.approx([-0.1, -0.5])
-    sd = lambda x, y: abs(x - y) / math.sqrt(2)  # sample sd of two values
-    assert p["sd_a"].tolist() == pytest.approx([sd(5.0, 5.2), sd(4.0, 4.4)])
-    assert p["sd_b"].tolist() == pytest.approx([sd(5.0, 5.4), sd(4.6, 4.8)])
-    assert p["n_a"].tolist() == [2, 2] and p["n_b"].tolist() == [2, 2]
-    pooled = lambda sa, sb: math.sqrt((sa ** 2 + sb ** 2) / 2)
-    noise = [pooled(sd(5.0, 5.2), sd(5.0, 5.4)), pooled(sd(4.0, 4.4), sd(4.6, 4.8))]
-    assert p["noise"].tolist() == pytest.approx(noise)
-    assert d.mean_diff == pytest.approx(-0.3) and d.noise_floor == pytest.approx(sum(noise) / 2)
-    assert d.exceeds_noise == (0.3 > sum(noise) / 2)
-    assert matched_step_difference(pd.DataFrame(rows), "b", "a").mean_diff == pytest.approx(0.3)
-
-
-def test_matched_step_difference_one_seed_has_no_noise_floor_and_bad_input_is_named():
-    one = pd.DataFrame(_long("a", 0, {0: 5.0, 5: 4.0}) + _long("b", 0, {0: 5.0, 5: 3.0}))
-    d = matched_step_difference(one, "a", "b")
-    assert d.mean_diff == pytest.approx(0.5) and math.isnan(d.noise_floor) and not d.exceeds_noise
-    with pytest.raises(ValueError, match=r"unknown arm 'c'; the table has \['a', 'b'\]"):
-        matched_step_difference(one, "a", "c")
-    with pytest.raises(ValueError, match="no values of metric 'train_loss'"):
-        matched_step_difference(one, "a", "b", metric="train_loss")
-    with pytest.raises(ValueError, match="missing"):
-        matched_step_difference(one.drop(columns="seed"), "a", "b")
-    with pytest.raises(ValueError, match="more than one"):
-        matched_step_difference(pd.concat([one, one]), "a", "b")
-    apart = pd.DataFrame(_long("a", 0, {0: 5.0}) + _long("b", 0, {1: 5.0}))
-    with pytest.raises(ValueError, match="no step with 'val_loss' in common"):
-        matched_step_difference(apart, "a", "b")
 
 
 # ---------------------------------------------------------------- real runs
@@ -344,19 +253,3 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
                          text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "no notebook at" in bad.stderr
 
-
-def test_diff_ci_is_welchs_interval():
-    # equal sizes and variances: Welch's df is 2n - 2 and the interval is the pooled t interval
-    a, b = [1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0]
-    ci = diff_ci(a, b)
-    half = 2.4469118511 * math.sqrt(2 * statistics.variance(a) / 4)   # t(0.975, df=6)
-    assert ci.mean == pytest.approx(1.0) and ci.n == 4
-    assert (ci.low, ci.high) == pytest.approx((1.0 - half, 1.0 + half), rel=1e-6)
-    # one noisy side: the df falls toward that side's n - 1, so the interval is wider than a pooled-df one
-    noisy_a, quiet_b = [0.0, 10.0, -10.0, 5.0], [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]
-    se = math.sqrt(statistics.variance(noisy_a) / 4 + statistics.variance(quiet_b) / 6)
-    noisy = diff_ci(noisy_a, quiet_b)
-    assert noisy.high - noisy.mean > 2.2621571628 * se   # t(0.975, df=9 = 4 + 6 - 1)
-    one = diff_ci([1.0], [2.0, 3.0])
-    assert one.mean == pytest.approx(-1.5) and math.isnan(one.low)
-    assert diff_ci([2.0, 2.0], [1.0, 1.0]) == (1.0, 1.0, 1.0, 2)

@@ -1,0 +1,145 @@
+"""The precision study's claims, declared before its GPU runs (notebooks/11_precision.ipynb evaluates them).
+
+The source is the reference trainer's text (/work/shared/seeds/000_*.txt, bluscript.cpp): the
+"activation / parameter precision" block of ModelConfig (the three stage flags, the two things
+deliberately not flags: fp32 optimizer masters and the fp32 QK-norm + RoPE island, and the
+bf16-logits loss-scalar note), the forward's output-projection comment (the [B,T,vocab] logits'
+cost) and main()'s BLU_ALL_BF16 wiring and its "[precision] bf16 logits ON" warning. A criterion
+changed after the runs is a visible diff of this file.
+
+Tolerances, stated once:
+- equivalence margin MARGIN_NATS = 0.02 nats of final val loss: the reference's run-to-run noise
+  floor (0.019 nats, the clipping audit's), rounded up; under 1% of the 124m's final loss here;
+- min_seeds: the paired loss claims need the 4 seeds GPU_SCALE gives every arm; exact numbers
+  (a byte count, a grid spacing, an element count) need 1;
+- memory: the reference's "~3 GiB" read as the formula B*T*V*4 bytes within +-25%.
+Arms pair by seed: seed k of every arm uses data_seed k and init seed k.
+"""
+
+import math
+
+from blunb.claims import Claim
+
+MARGIN_NATS = 0.02
+LOSS_SEEDS = 4
+MEMORY_TOLERANCE = 0.25
+SEED_LR, SEED_WD = 6e-4, 0.1      # ModelConfig: max_lr, weight_decay
+SEED_LOSS_ULP = 0.0625            # bf16's spacing in [8, 16): the reference's loss near 10.8
+
+_BLOCK = "bluscript.cpp ModelConfig, 'activation / parameter precision' block"
+_MAIN = "bluscript.cpp main(): the BLU_ALL_BF16 wiring"
+_LOGITS = "bluscript.cpp forward, output-projection comment; main()'s '[precision] bf16 logits ON' warning"
+_descriptive = ("no claim of the reference; reported because the data shows it (a paired interval of final val "
+                "loss against fp32_layout)")
+
+CLAIMS = [
+    Claim("prec.bf16_unit_roundoff",
+          source="bf16's relative grid is 2^-8 = 3.9e-3",
+          figure=_BLOCK + ": 'Optimizer masters and moments'",
+          statistic="torch.finfo(bfloat16).eps / 2 (the unit roundoff)",
+          test="exact", band=(2 ** -8, 2 ** -8)),
+    Claim("prec.one_stage_per_flag",
+          source="each flag moves exactly ONE stage to bf16; BLU_ALL_BF16 turns on all three",
+          figure=_BLOCK + "; " + _MAIN,
+          statistic="arms whose recorded precision layout (env.json) moves other stages than their flag names "
+                    "(bf16_resid: residual stream, bf16_logits: logits, bf16_embed: embedding, all_bf16: the three, "
+                    "fp32_layout and no_fp32_master: none)",
+          test="exact", band=(0, 0)),
+    Claim("prec.qk_island_fp32",
+          source="QK-norm + RoPE is not a flag: q_gamma / k_gamma stay fp32 under every flag",
+          figure=_BLOCK + ": 'QK-norm + RoPE'",
+          statistic="arms whose recorded qk_norm_rope precision is not fp32",
+          test="exact", band=(0, 0)),
+    Claim("prec.qk_island_silent_garbage",
+          source="handing the fused QK-norm + RoPE kernel a bf16 tensor would read garbage SILENTLY (data() "
+                 "is a bare reinterpret_cast)",
+          figure=_BLOCK + ": 'QK-norm + RoPE'",
+          statistic="none",
+          test="n/a",
+          na_reason="a property of the reference's kernel: blunb's QK-norm + RoPE (torch or Triton) casts to fp32 "
+                    "itself, so there is no untyped read to provoke"),
+    Claim("prec.all_bf16_fp32_group",
+          source="under all three flags the q/k gammas alone still need an fp32 AdamW group",
+          figure=_BLOCK + ": 'QK-norm + RoPE'; " + _MAIN,
+          statistic="all_bf16's fp32 AdamW group's elements minus 2 x head_dim x n_layers (its q/k gammas), "
+                    "and the run's group count minus 2 (one bf16, one fp32 group)",
+          test="exact", band=(0, 0)),
+    Claim("prec.no_master_decay_rounds_away",
+          source="a bf16 master would round the entire weight-decay term (1 - lr*wd = 1 - 6e-5) away at any "
+                 "weight magnitude",
+          figure=_BLOCK + ": 'Optimizer masters and moments'",
+          statistic="the fraction of bf16 weights one decay step at lr*wd = 6e-5 changes without a master: the "
+                    "largest over a sample of the model's initial Linear weights and magnitudes 1e-8..1e4 "
+                    "(precision.decay_moved_fraction), and 1 - ||w|| / ||w_0|| after the reference's whole "
+                    "2000-step schedule without a master (precision.decay_only)",
+          test="exact", band=(0.0, 0.0)),
+    Claim("prec.master_keeps_decay",
+          source="masters and moments stay fp32 under every flag, which is what keeps the update path safe",
+          figure=_BLOCK + ": 'Optimizer masters and moments'",
+          statistic="|shrink with an fp32 master - exact shrink prod(1 - lr*wd)| after the reference's 2000-step "
+                    "WSD schedule (precision.decay_only; exact: 0.902)",
+          test="exact", band=(0.0, 1e-3)),
+    Claim("prec.no_master_loss_worse",
+          source="without fp32 masters the decay is lost (the reference never shipped it: no loss measured)",
+          figure=_BLOCK + ": 'Optimizer masters and moments'",
+          statistic="paired difference of final val loss (end of the decay phase), no_fp32_master - fp32_layout, "
+                    "seed k against seed k; one-sided: worse means the interval lies above 0",
+          test="diff_ci", band=(0.0, math.inf), min_seeds=LOSS_SEEDS),
+    Claim("prec.loss_scalar_grid",
+          source="with bf16 logits the reported loss is bf16: near 10.8 it quantizes to 0.0625 steps",
+          figure=_BLOCK + ": 'Logits' ('What is NOT fixed')",
+          statistic="the smallest spacing of the distinct loss values the reference's reduction gives over a "
+                    "sweep of bf16 logits (V = 50304) whose loss walks down from ln V (precision.loss_dtype_sweep)",
+          test="exact", band=(SEED_LOSS_ULP, SEED_LOSS_ULP)),
+    Claim("prec.blunb_loss_fp32",
+          source="the reference's loss scalar follows the logits' dtype (a documented bug); blunb's is fp32",
+          figure=_BLOCK + ": 'Logits' ('Decoupling the loss dtype ... needs a LossT template parameter')",
+          statistic="the fraction of loss values on the bf16 grid: the larger of blunb's fp32 readings over the "
+                    "sweep and the bf16_logits runs' logged train losses (an fp32 value lies on it by chance "
+                    "about 2^-16 of the time)",
+          test="exact", band=(0.0, 0.01)),
+    Claim("prec.bf16_logits_equivalent",
+          source="bf16 logits cost the metric, not the run: gradients are unaffected",
+          figure=_BLOCK + ": 'Logits' ('GRADIENTS ARE UNAFFECTED')",
+          statistic=f"paired TOST of final val loss, bf16_logits - fp32_layout, seed k against seed k; margin "
+                    f"{MARGIN_NATS:g} nats",
+          test="tost", margin=MARGIN_NATS, min_seeds=LOSS_SEEDS),
+    Claim("prec.bf16_logits_memory",
+          source="fp32 logits cost a [B,T,vocab] fp32 tensor (3.30 GB at B*T=16384, vocab=50304); bf16 logits "
+                 "free ~3 GiB (activation + gradient)",
+          figure=_LOGITS,
+          statistic="per seed: (peak CUDA memory of fp32_layout - of bf16_logits) / the formula's saving B*T*V*4 "
+                    "bytes (precision.logits_memory); t interval over seeds (a deterministic allocation: no spread)",
+          test="band", band=(1 - MEMORY_TOLERANCE, 1 + MEMORY_TOLERANCE)),
+    Claim("prec.bf16_resid_loss",
+          source="(no claim) bf16 residual stream and norms",
+          figure="none: what this study's data shows",
+          statistic="paired difference of final val loss, bf16_resid - fp32_layout, seed k against seed k",
+          test="diff_ci", na_reason=_descriptive),
+    Claim("prec.bf16_embed_loss",
+          source="(no claim) bf16 embedding",
+          figure="none: what this study's data shows",
+          statistic="paired difference of final val loss, bf16_embed - fp32_layout, seed k against seed k",
+          test="diff_ci", na_reason=_descriptive),
+    Claim("prec.all_bf16_loss",
+          source="(no claim) all three stages in bf16",
+          figure="none: what this study's data shows",
+          statistic="paired difference of final val loss, all_bf16 - fp32_layout, seed k against seed k",
+          test="diff_ci", na_reason=_descriptive),
+]
+
+# What issue 31 runs on the H200. Every arm shares the schedule (the pairs need it); 2000 steps is
+# long enough that decay alone would shrink the weights measurably: prod(1 - lr*wd) over the
+# reference's WSD schedule is 0.902 (9.8% smaller; 1.3% within the last 400 steps), which the fp32
+# master follows and the no-master arm's bf16 weights never see.
+GPU_SCALE = {
+    "preset": "124m",
+    "device": "one NVIDIA H200, one run at a time (peak memory and step time are each arm's own)",
+    "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
+    "tokens_per_step": 16384,   # one B16 x T1024 micro-batch: the logits formula's B*T = 16384
+    "corpus": "site-packages code, bpe:16384 (blunb-data prepare --source site-packages --tokenizer bpe:16384)",
+    "arms": ["fp32_layout", "bf16_resid", "bf16_logits", "bf16_embed", "all_bf16", "no_fp32_master"],
+    "seeds_per_arm": LOSS_SEEDS,
+    "pairing": "seed k of every arm uses data_seed k",
+    "no_master_decay": "2000 steps: exact decay alone shrinks ||w|| to 0.902 (-9.8%), the last 400 steps -1.3%",
+}
