@@ -75,8 +75,9 @@ class TrainingError(RuntimeError):
         self.everywhere = everywhere
 
 
-class RunKilled(Exception):
-    """SIGTERM (torchrun stopping the job, a notebook interrupt): the run folder says 'killed'."""
+class RunKilled(BaseException):
+    """SIGTERM (torchrun stopping the job, a notebook interrupt): the run folder says 'killed'.
+    A BaseException, like KeyboardInterrupt: no `except Exception` (a checkpoint save's) swallows it."""
 
 
 def _dist_env() -> tuple[int, int, int]:
@@ -341,7 +342,8 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
 
     saved = None
     if resume_from is not None:
-        saved = checkpoint.load(resume_from, model, opt, {"train": train_loader})
+        # rank 0 has just verified every file's sha256 (_find_checkpoint): no second full read here
+        saved = checkpoint.load(resume_from, model, opt, {"train": train_loader}, verify=False)
         run.start_step = run.steps_done = saved["step"]
         run.resumed_from = resume_from
         extra = saved.get("extra", {})

@@ -83,7 +83,8 @@ def test_truncated_file_is_named_and_skipped(saved, tmp_path, caplog, one_thread
     with caplog.at_level(logging.WARNING, logger="blunb.checkpoint"):
         assert ckpt.find_resume(run) == run / "checkpoints" / "step_2"
     assert "step_3" in caplog.text and "__1_0.distcp" in caplog.text
-    assert newest.exists(), "a corrupt checkpoint is kept for inspection"
+    newest = run / "checkpoints" / ckpt.INVALID_DIR / "step_3"
+    assert newest.is_dir(), "a corrupt checkpoint is quarantined for inspection, not deleted"
     cfg = make_cfg("adamw")
     model, opt, loader = make_run(cfg, saved[1], cfg.seed)
     with pytest.raises(CheckpointError, match="truncated"):   # an explicit --resume PATH: an error
