@@ -141,6 +141,14 @@ class Spec:
     gpu_scale: dict
     module: types.ModuleType = field(repr=False)  # the spec file itself: its constants (spec.module.TARGET)
 
+    @property
+    def CLAIMS(self) -> list[Claim]:  # noqa: N802 (the spec file's own names, for reading it like the module)
+        return list(self.claims)
+
+    @property
+    def GPU_SCALE(self) -> dict:  # noqa: N802
+        return self.gpu_scale
+
     def claim(self, claim_id: str) -> Claim:
         for c in self.claims:
             if c.id == claim_id:

@@ -56,8 +56,9 @@ CLAIMS = [
           figure=_BLOCK + ": 'QK-norm + RoPE'",
           statistic="none",
           test="n/a",
-          na_reason="a property of the reference's kernel: blunb's QK-norm + RoPE (torch or Triton) casts to fp32 "
-                    "itself, so there is no untyped read to provoke"),
+          na_reason="a property of the reference's kernel: blunb's QK-norm + RoPE takes q/k of any dtype and "
+                    "computes in fp32 (the torch path casts, the Triton kernel is compiled per dtype), so there is "
+                    "no untyped read to provoke"),
     Claim("prec.all_bf16_fp32_group",
           source="under all three flags the q/k gammas alone still need an fp32 AdamW group",
           figure=_BLOCK + ": 'QK-norm + RoPE'; " + _MAIN,
