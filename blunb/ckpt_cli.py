@@ -16,6 +16,7 @@ import sys
 
 from blunb import checkpoint
 from blunb.checkpoint import CheckpointError
+from blunb.cli import prog_name
 
 
 def verify(path) -> int:
@@ -39,7 +40,8 @@ def verify(path) -> int:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="blunb-ckpt", description="Check blunb checkpoints without loading them.")
+    ap = argparse.ArgumentParser(prog=prog_name("blunb-ckpt", "blunb.ckpt_cli"),
+                                 description="Check blunb checkpoints without loading them.")
     sub = ap.add_subparsers(dest="command", required=True)
     check = sub.add_parser("verify", help="verify every file's sha256 of a checkpoint or of every checkpoint "
                                           "of a run folder; exit 1 if any is corrupt")
