@@ -160,6 +160,7 @@ class TrainConfig:
     global_clip_strict: bool = False  # derive it from the full norm, not the covered part
     diag: bool = False              # check replicas are bit-identical at every validation
     max_consecutive_skips: int = 20  # stop the run after this many skipped (non-finite) steps in a row
+    diverged_skip_frac: float = 0.5  # a run that skipped more than this fraction of its steps ends "diverged"
     # "step": a non-finite gradient norm in any group skips the whole step on every rank;
     # "group": the reference trainer's per-group skip (the other groups still step).
     nan_policy: str = "step"
@@ -235,6 +236,9 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if not 0 <= self.diverged_skip_frac <= 1:
+            raise ConfigError(f"diverged_skip_frac must be in [0, 1] (the fraction of skipped steps above which a "
+                              f"run ends diverged), got {self.diverged_skip_frac}")
         if self.val_tokens < 0:
             raise ConfigError(f"val_tokens must be >= 0 (0 = val_loss_steps * B * T), got {self.val_tokens}")
         for name in ("fault_nan_grad", "fault_stall"):

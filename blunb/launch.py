@@ -5,12 +5,16 @@ raised as ConfigError, once, before any rank starts), streams the ranks' output 
 (training prints on rank 0 only), leaves the rendezvous port to torchrun's standalone mode,
 kills the whole process group on interrupt or error, and on failure raises LaunchError whose
 message starts with the root cause: the failing rank, its exit code and its own error line.
+
+`python -m blunb.launch [torchrun arguments]` is torchrun itself, quiet when a signal stops the
+job (torchrun_main); torchrun_command, and so every blunb launch, starts ranks through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import shlex
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blunb.config import ConfigError
+from blunb.runs import settle_status
 
 
 class LaunchError(RuntimeError):
@@ -39,24 +44,56 @@ class LaunchError(RuntimeError):
 def torchrun_command(target: list[str], nproc: int) -> list[str]:
     """torchrun on `nproc` local ranks; `target` is a script and its arguments, or ["-m", module, ...].
 
+    torchrun as `python -m blunb.launch` (torchrun_main: torchrun, quiet when a signal stops the job).
     --standalone lets torchrun's own rendezvous bind a free port itself: probing for a free port
     first and passing it on races with every other process on the machine between the probe and
     torchrun's bind (parallel runs made that race real)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
+    return [sys.executable, "-m", "blunb.launch", "--standalone", f"--nproc_per_node={nproc}", *target]
 
 
-def check_train_args(train_args: list[str], nproc: int, env: dict | None = None) -> None:
+class _QuietStop(logging.Filter):
+    """Drops torchrun's warnings about a stop signal (the one it received, the ones it passes on to the
+    ranks): the ranks' own line says what stopped the job and where. Other warnings pass."""
+
+    stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "death signal" in message:
+            _QuietStop.stopping = True
+        return not (_QuietStop.stopping and ("death signal" in message or "closing signal" in message))
+
+
+def torchrun_main(argv: list[str] | None = None) -> None:
+    """`python -m blunb.launch [torchrun arguments]`: torchrun (torch.distributed.run) itself, except
+    that a job stopped by a signal (Ctrl-C, SIGTERM) ends without torchrun's traceback and shutdown
+    warnings (blunb.train's ranks print one line saying where they stopped), with exit status 128 +
+    the signal. A job that fails otherwise is reported as torchrun reports it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    quiet = _QuietStop()
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        main(argv)
+    except SignalException as err:
+        sys.exit(128 + int(err.sigval))
+
+
+def check_train_args(train_args: list[str], nproc: int, env: dict | None = None):
     """blunb.train's startup config checks, run here (the arguments, every setting at this world size,
-    BLUNB_PEAK_TFLOPS): raises ConfigError. Data and run-folder errors are still the ranks' to find."""
+    BLUNB_PEAK_TFLOPS): raises ConfigError; returns the parsed arguments (None for --help). Data and
+    run-folder errors are still the ranks' to find."""
     from blunb.mfu import peak_tflops_from_env
     from blunb.train import parse_args  # lazy: pulls in torch and the model
 
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            cfg, _ = parse_args(list(train_args))
+            cfg, args = parse_args(list(train_args))
     except SystemExit as exc:  # argparse: an unknown flag or a bad value
         if exc.code in (0, None):
             return  # --help: let the real command print it
@@ -64,6 +101,7 @@ def check_train_args(train_args: list[str], nproc: int, env: dict | None = None)
         raise ConfigError(msg[-1] if msg else f"bad training arguments {train_args}") from None
     cfg.validate(world_size=nproc)
     peak_tflops_from_env(env if env is not None else os.environ)
+    return args
 
 
 def launch(train_args: list[str], nproc: int = 1, env: dict | None = None, echo: bool = True,
@@ -73,11 +111,12 @@ def launch(train_args: list[str], nproc: int = 1, env: dict | None = None, echo:
     A config error is raised as ConfigError before torchrun starts. On a non-zero exit, raise
     LaunchError: root cause first, then the command, then the last `tail_lines` lines the ranks
     printed (torchrun's own report left out; LaunchError.output has everything). Ctrl-C / a
-    notebook interrupt kills every rank.
+    notebook interrupt kills every rank. Once the job has exited, a status.json still saying
+    running (its processes were killed) is settled to killed (blunb.runs.settle_status).
     """
     cmd = torchrun_command(["-m", "blunb.train", *train_args], nproc)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    check_train_args(train_args, nproc, full_env)
+    parsed = check_train_args(train_args, nproc, full_env)
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     repo = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -94,6 +133,8 @@ def launch(train_args: list[str], nproc: int = 1, env: dict | None = None, echo:
     except BaseException:
         _kill_group(proc)
         raise
+    if parsed is not None and parsed.run_dir:
+        settle_status(parsed.run_dir)
     if rc != 0:
         raise launch_error(cmd, lines, rc, tail_lines)
     return lines
@@ -219,3 +260,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+if __name__ == "__main__":
+    torchrun_main()

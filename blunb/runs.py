@@ -1,12 +1,19 @@
 """Run folders: where training writes, and how notebooks read them back into pandas.
 
 results/<study>/<run_id>/{config.json, env.json, metrics.csv, log.txt, status.json[, run.ipynb]}
+
+A folder has one owner at a time (FolderLock: a run, or a study over its folder); status.json
+says how a run stands, and read_status() tells a run whose processes are gone from a live one.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import fcntl
+import hashlib
 import json
+import logging
 import os
 import platform
 import socket
@@ -19,9 +26,16 @@ from pathlib import Path
 import pandas as pd
 
 import blunb
+from blunb.config import ConfigError
+
+log = logging.getLogger("blunb.runs")
 
 METRIC_COLUMNS = ["step", "train_loss", "val_loss", "tok_per_sec", "grad_norm", "dt_ms", "lr", "elapsed_min",
                   "mfu", "mfu_palm", "tflops_per_gpu"]
+# metrics.csv's columns that measure time or memory, which two identical runs never share; every other column
+# follows from the config, the data and the arithmetic (what a bit-reproducible run must repeat exactly)
+TIMING_COLUMNS = ("tok_per_sec", "dt_ms", "elapsed_min", "mfu", "mfu_palm", "tflops_per_gpu", "opt_step_ms",
+                  "peak_mem_gib")
 
 
 def repo_root() -> Path:
@@ -37,17 +51,23 @@ def _git(args: list[str], cwd) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=60).stdout
 
 
+UNTRACKED_SOURCES = ("blunb", "bench", "notebooks")  # where an untracked .py file makes the tree dirty
+
+
 def git_state(root: str | Path, max_files: int = 20) -> tuple[str, bool | None, list[str]]:
     """(HEAD sha, dirty, up to `max_files` dirty paths) of the git checkout holding `root`.
 
-    Only tracked files outside results/ count as dirty: `make study` rewrites the committed
-    results/.../run.ipynb before training starts, which would otherwise mark every run dirty.
-    Outside a git checkout (or without git): ("unknown", None, []).
+    Changed tracked files outside results/ count as dirty (`make study` rewrites the committed
+    results/.../run.ipynb before training starts, which would otherwise mark every run dirty), and
+    so do untracked (not ignored) .py files under UNTRACKED_SOURCES: a new module is code that ran
+    but that no commit holds. Outside a git checkout (or without git): ("unknown", None, []).
     """
     try:
         top = _git(["rev-parse", "--show-toplevel"], root).strip()
         sha = _git(["rev-parse", "HEAD"], top).strip()
         out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=no", "--", ".", ":(exclude)results"], top)
+        new = _git(["ls-files", "-z", "--others", "--exclude-standard", "--",
+                    *(f":(glob){d}/**/*.py" for d in UNTRACKED_SOURCES)], top)
     except (OSError, subprocess.SubprocessError):
         return "unknown", None, []
     files, entries = [], iter(out.split("\0"))
@@ -57,12 +77,26 @@ def git_state(root: str | Path, max_files: int = 20) -> tuple[str, bool | None, 
         files.append(entry[3:])
         if entry[0] in "RC":  # -z puts a rename's source path in the next entry
             next(entries, None)
+    files += [path for path in new.split("\0") if path]
     return sha, bool(files), files[:max_files]
 
 
 def git_sha() -> str:
     """HEAD of the checkout blunb runs from (whether it is dirty is env.json's git_dirty)."""
     return git_state(repo_root())[0]
+
+
+def source_digest(package: Path | None = None) -> dict:
+    """sha256 over the package's .py files (each file's path relative to the package, its size and
+    its bytes, in sorted path order): names the code that ran even where no git checkout does."""
+    package = Path(blunb.__file__).resolve().parent if package is None else Path(package)
+    h = hashlib.sha256()
+    files = sorted(package.rglob("*.py"), key=lambda p: p.relative_to(package).as_posix())
+    for path in files:
+        data = path.read_bytes()
+        h.update(f"{path.relative_to(package).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return {"sha256": h.hexdigest(), "files": len(files)}
 
 
 def _cpu_name() -> str | None:
@@ -98,6 +132,7 @@ def environment(world_size: int, device, shards: list[Path] | None = None) -> di
         "git_sha": sha,
         "git_dirty": dirty,
         "git_dirty_files": dirty_files,
+        "blunb_sources": source_digest(),
         "blunb": blunb.__version__,
         "platform": platform.platform(),
         "argv": sys.argv,
@@ -117,14 +152,77 @@ def environment(world_size: int, device, shards: list[Path] | None = None) -> di
     return env
 
 
+# ---------------------------------------------------------------- writing run files
+
+class RunWriteError(RuntimeError):
+    """A run file could not be written (a full disk, a lost mount): the run cannot keep its record,
+    so it stops, naming the file, rather than train on with lines or rows silently dropped."""
+
+
+FAIL_WRITE_ENV = "BLUNB_TEST_FAIL_WRITE"  # testing aid: NAME:N, see check_write
+_writes: dict[str, int] = {}
+
+
+def check_write(path: Path) -> None:
+    """Called before each write of a run file (a metrics row, a log record, a status update).
+    With BLUNB_TEST_FAIL_WRITE=NAME:N, the N-th and every later write of a file named NAME in
+    this process fail with ENOSPC, as on a disk that filled up."""
+    spec = os.environ.get(FAIL_WRITE_ENV)
+    if not spec:
+        return
+    name, _, n = spec.rpartition(":")
+    if not name or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{FAIL_WRITE_ENV}={spec!r}: expected FILE_NAME:N (N >= 1), e.g. metrics.csv:5")
+    if path.name == name:
+        _writes[name] = _writes.get(name, 0) + 1
+        if _writes[name] >= int(n):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({FAIL_WRITE_ENV})", str(path))
+
+
+def write_failed(path: Path, err: OSError) -> RunWriteError:
+    return RunWriteError(f"writing {path} failed ({err.strerror or err}); the run cannot keep its record")
+
+
 # ---------------------------------------------------------------- status.json
 
-RUN_STATES = ("running", "completed", "failed", "killed")
+RUN_STATES = ("running", "completed", "failed", "killed", "diverged")
+
+
+def process_info() -> dict:
+    """This process as status.json and lock files name it: pid, host and its start time (Linux:
+    clock ticks since boot, so a pid reused by a later process is not taken for it)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
+
+
+def _process_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, starttime 22
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
+def _process_alive(info: dict) -> bool:
+    """Whether the process of a process_info() record (on this host) still runs."""
+    pid, start = info.get("pid"), info.get("start")
+    if start is not None and Path("/proc").is_dir():
+        return _process_start(pid) == start   # None: gone or a zombie; another value: the pid was reused
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    return True
 
 
 def write_status(run_dir: str | Path, state: str, steps_done: int, steps_total: int, error: str | None = None,
                  **extra) -> None:
-    """Write <run_dir>/status.json atomically, so a reader never sees half a file."""
+    """Write <run_dir>/status.json atomically (tmp + rename), so a reader never sees half a file.
+    A running run also passes processes=[process_info() of each rank], which read_status checks.
+    An OSError (a full disk) is raised as RunWriteError naming the file."""
     if state not in RUN_STATES:
         raise ValueError(f"run state must be one of {', '.join(RUN_STATES)}, got {state!r}")
     if "updated" in extra:
@@ -134,21 +232,161 @@ def write_status(run_dir: str | Path, state: str, steps_done: int, steps_total: 
               "updated": datetime.now().astimezone().isoformat(timespec="seconds"), **extra}
     path = Path(run_dir) / "status.json"
     tmp = path.with_name(f".status.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(status, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        check_write(path)
+        tmp.write_text(json.dumps(status, indent=2, default=str))
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, err) from err
 
 
 def read_status(run_dir: str | Path) -> dict | None:
-    """status.json of a run folder, or None where the run never wrote one (older runs)."""
+    """status.json of a run folder, or None where the run never wrote one (older runs).
+
+    A status that says running while every process it names on this host is gone (killed with
+    SIGKILL, out of memory, a stopped rank its job killed) is returned as state "killed" with
+    error "process gone: ...", "process_gone": True and the steps_done it last recorded; the file
+    itself is left as it is (settle_status writes it back)."""
     path = Path(run_dir) / "status.json"
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
     try:
-        return json.loads(text)
+        status = json.loads(text)
     except ValueError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    procs = status.get("processes") or []
+    here = [p for p in procs if p.get("host") == socket.gethostname()]
+    if status.get("state") == "running" and here and not any(_process_alive(p) for p in here):
+        pids = ", ".join(str(p["pid"]) for p in here)
+        status.update(state="killed", process_gone=True,
+                      error=f"process gone: the run's process(es) {pids} on {here[0]['host']} no longer run "
+                            f"(its last status update: {status.get('updated')}, step {status.get('steps_done')})")
+    return status
+
+
+def settle_status(run_dir: str | Path) -> dict | None:
+    """read_status(), writing a gone run's "killed" back to status.json: what a launcher calls once the
+    run's processes have exited, so the file says what happened."""
+    status = read_status(run_dir)
+    if status is not None and status.get("process_gone"):
+        extra = {k: v for k, v in status.items()
+                 if k not in ("state", "steps_done", "steps_total", "error", "updated", "processes")}
+        write_status(run_dir, "killed", status["steps_done"], status["steps_total"], status["error"], **extra)
+    return status
+
+
+# ---------------------------------------------------------------- one owner per folder
+
+LOCK_NAME = ".lock"
+
+
+class FolderInUse(ConfigError):
+    """Another live process holds the folder's lock (FolderLock)."""
+
+
+class FolderLock:
+    """One owner per folder: an exclusive flock on <folder>/.lock, from acquire() to release().
+
+    The kernel drops a flock when its holder dies, however it dies, so a crashed owner never
+    leaves the folder locked; the file's record (pid, host, start, command) then tells the next
+    owner whose stale lock it took over (`taken_over`). A second process gets FolderInUse naming
+    the holder, before it has touched anything else in the folder. release() removes the file
+    (and the folder, when acquire() created it and it is still empty). Not for folders shared
+    between hosts on a filesystem without working flock."""
+
+    def __init__(self, folder: str | Path, what: str = "run", hint: str = ""):
+        self.folder, self.what, self.hint = Path(folder), what, hint
+        self.path = self.folder / LOCK_NAME
+        self.taken_over: dict | None = None
+        self._fd: int | None = None
+        self._created: list[Path] = []
+
+    def acquire(self) -> FolderLock:
+        missing = [d for d in (self.folder, *self.folder.parents) if not d.exists()]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._created = missing  # deepest first
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_record(fd)
+                os.close(fd)
+                self._remove_created()
+                raise FolderInUse(f"{self.folder} is in use: another {self.what} holds its lock "
+                                  f"({describe_holder(holder)})" + (f"; {self.hint}" if self.hint else "")) from None
+            try:  # a holder's release() may have removed the file between our open and flock
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        else:
+            raise RuntimeError(f"could not lock {self.path}: it was replaced ten times while locking it")
+        self.taken_over = _lock_record(fd) or None  # a record left behind: its holder died holding it
+        record = json.dumps({**process_info(), "what": self.what,
+                             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+                             "argv": sys.argv}).encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+        except OSError as err:
+            os.close(fd)
+            raise write_failed(self.path, err) from err
+        self._fd = fd
+        return self
+
+    def stale_note(self) -> str | None:
+        """The line to log when acquire() took over a dead holder's lock."""
+        if self.taken_over is None:
+            return None
+        return f"took over the stale lock of {self.folder}: its holder is gone ({describe_holder(self.taken_over)})"
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still holding it: see acquire's inode check
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        for d in self._created:
+            try:
+                d.rmdir()
+            except OSError:
+                break  # not empty: it holds something now
+        self._created = []
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock_record(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+    except ValueError:
+        return {"note": "unreadable lock record"}
+
+
+def describe_holder(holder: dict) -> str:
+    """A process_info()/lock record in words: pid 123 on host, started ..., command ..."""
+    if not holder.get("pid"):
+        return holder.get("note", "no record of its holder")
+    text = f"pid {holder['pid']} on {holder.get('host', '?')}"
+    if holder.get("started"):
+        text += f", started {holder['started']}"
+    if holder.get("argv"):
+        text += f": {' '.join(map(str, holder['argv']))}"
+    return text
 
 
 def set_aside_rows_from(path: Path, step: int) -> Path | None:
@@ -181,6 +419,8 @@ class MetricsWriter:
     append=True continues an existing file (a resume), rewriting it first when its columns differ."""
 
     def __init__(self, path: Path, extra_columns: list[str], append: bool = False):
+        self.path = path
+        self._failed = False
         self.columns = METRIC_COLUMNS + extra_columns
         kept = []
         if append and path.is_file():
@@ -198,11 +438,21 @@ class MetricsWriter:
         self._f.flush()
 
     def write(self, row: dict) -> None:
-        self._w.writerow({k: ("" if v is None else v) for k, v in row.items()})
-        self._f.flush()
+        """One row, flushed; an OSError (a full disk) is raised as RunWriteError naming the file."""
+        try:
+            check_write(self.path)
+            self._w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+            self._f.flush()
+        except OSError as err:
+            self._failed = True
+            raise write_failed(self.path, err) from err
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:
+            if not self._failed:  # after a failed write its error is the one that counts
+                raise
 
 
 @dataclass

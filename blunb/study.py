@@ -29,22 +29,32 @@ Caching: a run whose folder says completed, with the config.json this run would 
 blunb.train.parse_args from the same arguments) and the same world size, is skipped. A folder
 with the same config but unfinished (running, failed, killed) is re-run with `--resume auto`
 (its newest checkpoint, or a fresh start); a different config or world size with `--overwrite`.
-The table's `action` column says which: cached | new | resume | overwrite. Do not run one study
-from two processes at once: a run another process is training looks unfinished here.
+The table's `action` column says which: cached | new | resume | overwrite. One study at a time per
+folder: run() holds <study>/.lock (blunb.runs.FolderLock) for its life, so a second Study.run() into
+the same folder fails before any work, naming the first (and every trainer holds its run folder's).
 
-Failures: a failed run is logged with its root cause (blunb.launch's parsing of its output, else
-its status.json error) while the others go on. summary.csv and metrics_long.csv are written
+Publishing: a study folder inside the repo's committed results/ (not a git-ignored folder such as
+results/scratch/) is refused while the git tree is dirty (blunb.runs.git_state), unless
+allow_dirty=True; <study>/study.json records the code (git sha, dirty files, blunb's source digest)
+and whether allow_dirty was used.
+
+Failures: a failed, killed or diverged run is logged with its root cause (blunb.launch's parsing of
+its output, else its status.json error) while the others go on. summary.csv and metrics_long.csv are written
 either way; then StudyError (its `.summary` holds the table) lists the failures, unless
 `allow_failures=True` (e.g. a learning-rate sweep where divergence is a result), which warns.
 
 CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` executes a study notebook
-headless through papermill (values are Python literals, else strings).
+headless through papermill (values are Python literals, else strings), each value checked against
+the type of its default in the notebook's `parameters` cell (checked_parameters): `-p publish false`
+is False, `-p publish maybe` an error. Each notebook runs the same check on its own namespace
+(check_parameters) in the cell after its parameters, for papermill's own CLI and for Jupyter.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import logging
 import numbers
@@ -63,7 +73,17 @@ import pandas as pd
 
 from blunb.config import ConfigError
 from blunb.launch import check_train_args, parse_failure, torchrun_command
-from blunb.runs import load_run, read_status, repo_root, results_root, summarize
+from blunb.runs import (
+    FolderLock,
+    git_state,
+    load_run,
+    read_status,
+    repo_root,
+    results_root,
+    settle_status,
+    source_digest,
+    summarize,
+)
 
 log = logging.getLogger("blunb.study")  # not __name__: it is "__main__" under python -m
 
@@ -77,7 +97,8 @@ LONG_COLUMNS = ["arm", "seed", "step", "metric", "value"]
 
 
 class StudyError(RuntimeError):
-    """Some runs of a study failed (or, with render_only, were not there to render). `summary`:
+    """Some runs of a study failed (or, with render_only, were not there to render; or it may not
+    publish from a dirty tree). `summary`:
     the study's table (the failed runs included); `failures`: (run name, root cause) pairs."""
 
     def __init__(self, message: str, summary: pd.DataFrame | None = None,
@@ -110,7 +131,7 @@ class _Active:
 
 @dataclass
 class _Outcome:
-    status: str                 # completed | failed | killed
+    status: str                 # completed | failed | killed | diverged
     error: str | None = None
     current: bool = True        # the folder holds this run (False: it failed before touching it)
 
@@ -128,6 +149,8 @@ class Study:
     for every run. allow_failures: warn instead of raising StudyError. progress: the tqdm bar / log lines.
     render_only: train nothing; raise StudyError naming every run that is not cached (e.g. to render
     GPU results on a laptop without ever starting a 124m run there by accident).
+    allow_dirty: publish into the committed results/ even from a git tree with uncommitted changes
+    (recorded in study.json); without it run() refuses before any work.
     """
 
     name: str
@@ -145,6 +168,7 @@ class Study:
     allow_failures: bool = False
     progress: bool = True
     render_only: bool = False
+    allow_dirty: bool = False
 
     @property
     def folder(self) -> Path:
@@ -161,6 +185,16 @@ class Study:
         """Check every run, launch the ones not cached, write summary.csv and metrics_long.csv and
         return the summary table; raise StudyError for failed runs unless allow_failures."""
         plans = self._plan()
+        provenance = check_publish(self.folder, self.allow_dirty)
+        lock = FolderLock(self.folder, "study", hint="wait for it to end, or give this study another name or root")
+        with lock:
+            if lock.stale_note():
+                log.warning(f"{self.name}: {lock.stale_note()}")
+            for p in plans:  # again, now that no one else writes here: another study may have finished runs
+                p.action = _cache_action(p, self.nproc)
+            return self._run_planned(plans, provenance)
+
+    def _run_planned(self, plans: list[_Planned], provenance: dict) -> pd.DataFrame:
         cached = [p.name for p in plans if p.action == "cached"]
         if cached:
             log.info(f"{self.name}: {len(cached)} run(s) already completed with this config, skipped: "
@@ -183,6 +217,8 @@ class Study:
         self.folder.mkdir(parents=True, exist_ok=True)
         _write_csv(summary, self.folder / "summary.csv")
         _write_csv(long, self.folder / "metrics_long.csv")
+        _write_json({"study": self.name, **provenance, "runs": len(plans),
+                     "states": summary["status"].value_counts().to_dict()}, self.folder / "study.json")
 
         failures = [(p.name, outcomes[p.name].error or outcomes[p.name].status) for p in plans
                     if outcomes[p.name].status != "completed"]
@@ -422,12 +458,14 @@ def _outcome(a: _Active) -> _Outcome:
     rc = a.proc.returncode
     try:
         fresh = (a.plan.run_dir / "status.json").stat().st_mtime >= a.started - 1  # written by this launch
-        status = read_status(a.plan.run_dir) if fresh else None
+        status = settle_status(a.plan.run_dir) if fresh else None  # its processes have exited: no "running"
     except (OSError, ValueError):
         status = None
     state = (status or {}).get("state")
     if rc == 0 and state == "completed":
         return _Outcome("completed")
+    if rc == 0 and state == "diverged":  # trained to the end, but mostly on skipped steps
+        return _Outcome("diverged", status.get("error"))
     lines = (a.plan.run_dir / "console.txt").read_text(errors="replace").splitlines()
     f = parse_failure(lines)
     cause = f.error_line or (status or {}).get("error") or (lines[-1].strip() if lines else "no output")
@@ -545,6 +583,148 @@ def _write_csv(df: pd.DataFrame, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _write_json(obj: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- publishing
+
+def publishes(folder: str | Path) -> bool:
+    """Whether writing into `folder` changes committed results: it lies in the repo's results/ and
+    git does not ignore it (results/scratch/ and results/adhoc/ are ignored)."""
+    folder, committed = Path(folder).resolve(), (repo_root() / "results").resolve()
+    if not folder.is_relative_to(committed):
+        return False
+    try:  # a path inside the folder: git matches `dir/` patterns only against folders it can see
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(folder / "summary.csv")], cwd=repo_root(),
+                                 capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ignored = False
+    return not ignored
+
+
+def check_publish(folder: str | Path, allow_dirty: bool = False) -> dict:
+    """Refuse (StudyError) to write into the committed results/ (see publishes) from a git tree with
+    uncommitted changes, unless allow_dirty; return the provenance record a study keeps (study.json:
+    the git state where it publishes, blunb's source digest always; each run's env.json has both).
+    Outside a git checkout the tree's state is unknown and nothing is refused."""
+    if not isinstance(allow_dirty, bool):
+        raise ValueError(f"allow_dirty must be True or False, got {allow_dirty!r}")
+    record = {"folder": str(Path(folder).absolute()), "published": publishes(folder), "allow_dirty": allow_dirty}
+    if record["published"]:
+        sha, dirty, files = git_state(repo_root())
+        if dirty and not allow_dirty:
+            raise StudyError(f"refusing to publish into {folder}: the git tree has uncommitted changes "
+                             f"({', '.join(files)}); commit them first, or pass allow_dirty=True (it is recorded)")
+        record.update(git_sha=sha, git_dirty=dirty, git_dirty_files=files)
+    return {**record, "blunb_sources": source_digest()}
+
+
+# ---------------------------------------------------------------- notebook parameters
+
+def notebook_defaults(notebook: str | Path) -> dict:
+    """The defaults of a notebook's `parameters` cell: name -> value of each `name = <literal>`
+    line (None for a value that is no literal: its type is not checked)."""
+    path = Path(notebook)
+    cells = [c for c in json.loads(path.read_text()).get("cells", [])
+             if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        raise ValueError(f"{path} has no cell tagged 'parameters'")
+    source = cells[0]["source"]
+    defaults = {}
+    for node in ast.parse(source if isinstance(source, str) else "".join(source)).body:
+        target, value = ((node.targets[0], node.value) if isinstance(node, ast.Assign) and len(node.targets) == 1
+                         else (node.target, node.value) if isinstance(node, ast.AnnAssign) else (None, None))
+        if isinstance(target, ast.Name) and value is not None:
+            try:
+                defaults[target.id] = ast.literal_eval(value)
+            except ValueError:
+                defaults[target.id] = None
+    return defaults
+
+
+def _typed(name: str, default, value):
+    """`value` as the type of `default`, or ConfigError; strings are what papermill's CLI passes."""
+    def bad(expected: str):
+        return ConfigError(f"parameter {name}: expected {expected}, got {value!r}")
+
+    if default is None:
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise bad("true or false (in any case)")
+    if isinstance(default, (int, float)):
+        kind = int if isinstance(default, int) else float
+        if value is None:  # a count's or a size's "not set" (max_parallel=None: the default number)
+            return None
+        if isinstance(value, str):
+            try:
+                value = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                raise bad(f"a number ({kind.__name__})") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(f"a number ({kind.__name__})")
+        if kind is int and not float(value).is_integer():
+            raise bad("an integer")
+        return kind(value)
+    if isinstance(default, str):
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # papermill's CLI makes `-p run_id 1` an int
+        raise bad("a string")
+    if isinstance(default, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            raise bad(f"a list like {default!r}" + (" (a string is not a list: give a list literal, e.g. "
+                                                    f"-p {name} \"['a', 'b']\")" if isinstance(value, str) else ""))
+        kinds = {type(v) for v in default}
+        if len(kinds) == 1:  # every default element has one type: hold the given ones to it
+            return [_typed(f"{name}[{i}]", default[0], v) for i, v in enumerate(value)]
+        return list(value)
+    if not isinstance(value, type(default)):
+        raise bad(f"a {type(default).__name__}")
+    return value
+
+
+def checked_parameters(defaults: dict, given: dict) -> dict:
+    """`given` (parameter name -> value) with each value checked against, and converted to, the type
+    of its default: a bool takes True/False or "true"/"false" in any case, an int or float a number,
+    a numeric string or None, a str a string, a list a list (never a string) whose items match the
+    default's, a None default anything. Unknown names and every bad value are one ConfigError."""
+    errors, out = [], {}
+    for name, value in given.items():
+        if name not in defaults:
+            near = difflib.get_close_matches(name, list(defaults), n=3)
+            errors.append(f"unknown parameter {name!r}" + (f" (did you mean {' or '.join(near)}?)" if near else
+                                                           f"; the notebook's parameters: {', '.join(defaults)}"))
+            continue
+        try:
+            out[name] = _typed(name, defaults[name], value)
+        except ConfigError as err:
+            errors.append(str(err))
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return out
+
+
+def check_parameters(namespace: dict, notebook: str | Path) -> None:
+    """A notebook's own check, in the cell after its parameters cell (after papermill's injected
+    one): `check_parameters(globals(), "10_clipping.ipynb")` type-checks every parameter in
+    `namespace` against the defaults of `notebook`'s parameters cell (checked_parameters) and puts
+    the converted values back ("false" becomes False). `notebook`: a path, looked up in the current
+    folder (the notebook's own under Jupyter, papermill and nbval), else in the repo's notebooks/."""
+    path = Path(notebook)
+    if not path.is_file() and not path.is_absolute():
+        path = repo_root() / "notebooks" / notebook
+    defaults = notebook_defaults(path)
+    namespace.update(checked_parameters(defaults, {k: namespace[k] for k in defaults if k in namespace}))
+
+
 # ---------------------------------------------------------------- CLI
 
 def _literal(raw: str):
@@ -574,7 +754,11 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     output = args.output or results_root() / "scratch" / args.notebook.name
     output.parent.mkdir(parents=True, exist_ok=True)
-    params = {key: _literal(value) for key, value in args.parameter}
+    try:
+        params = checked_parameters(notebook_defaults(args.notebook),
+                                    {key: _literal(value) for key, value in args.parameter})
+    except (ConfigError, ValueError) as err:
+        ap.error(str(err))
     log.info(f"running {args.notebook} -> {output} with {params}")
     # The notebook's own folder as cwd: its relative paths mean what they mean in Jupyter.
     papermill.execute_notebook(str(args.notebook), str(output), parameters=params, kernel_name=args.kernel,

@@ -61,7 +61,17 @@ from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim.build import StepRecord, StepStats, build_optimizers
 from blunb.optim.zero_adamw import refresh_stages
-from blunb.runs import MetricsWriter, environment, set_aside_rows_from, write_status
+from blunb.runs import (
+    FolderLock,
+    MetricsWriter,
+    RunWriteError,
+    check_write,
+    environment,
+    process_info,
+    set_aside_rows_from,
+    write_failed,
+    write_status,
+)
 
 log = logging.getLogger("blunb.train")  # not __name__: it is "__main__" under python -m
 
@@ -76,8 +86,13 @@ class TrainingError(RuntimeError):
 
 
 class RunKilled(BaseException):
-    """SIGTERM (torchrun stopping the job, a notebook interrupt): the run folder says 'killed'.
+    """SIGTERM or SIGINT (torchrun stopping the job, Ctrl-C, a notebook interrupt): the run folder
+    says 'killed' with the signal's name; the CLI prints one line and exits 128 + the signal.
     A BaseException, like KeyboardInterrupt: no `except Exception` (a checkpoint save's) swallows it."""
+
+
+_STATUS_EVERY_S = 2.0       # status.json's "running" record, updated at most this often as steps finish
+_stop_signal: str | None = None  # the signal that is stopping this process's run (the first one)
 
 
 def _dist_env() -> tuple[int, int, int]:
@@ -202,6 +217,31 @@ def _is_timeout(err: BaseException) -> bool:
 
 # ---------------------------------------------------------------- logging
 
+class _RunFileHandler(logging.FileHandler):
+    """log.txt. A record it cannot write (a full disk) stops the run with RunWriteError naming the
+    file, where logging's default prints '--- Logging error ---' and drops the line; after that it
+    writes nothing (the run is stopping for that error; the console still shows every line)."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        try:
+            check_write(Path(self.baseFilename))
+        except OSError as err:
+            self.failed = True
+            raise write_failed(Path(self.baseFilename), err) from err
+        super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            return super().handleError(record)
+        self.failed = True
+        raise write_failed(Path(self.baseFilename), err) from err
+
+
 class _RunLog:
     """The `blunb` logger for one run: rank 0 writes to stdout and log.txt; other ranks show
     warnings and errors only, prefixed with their rank. close() restores the logger."""
@@ -223,7 +263,7 @@ class _RunLog:
 
     def to_file(self, path: Path) -> None:
         if self.rank == 0:
-            self._add(logging.FileHandler(path, mode="a"), logging.INFO)
+            self._add(_RunFileHandler(path, mode="a"), logging.INFO)
 
     def close(self) -> None:
         for h in self._handlers:
@@ -261,6 +301,8 @@ class _Run:
     start: float = 0.0
     last_val: float | None = None
     skipped_total: int = 0
+    processes: list = field(default_factory=list)  # process_info() of every rank, for status.json
+    status_at: float = 0.0           # time.monotonic() of the last "running" status
     skipped_in_a_row: int = 0
     steps_done: int = 0              # steps finished and passed the health checks
     start_step: int = 0              # > 0 when resumed from a checkpoint
@@ -339,6 +381,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
                tokens_per_step=cfg.B * cfg.T * accum * world_size,
                covered_frac=clip["covered_params"] / max(clip["total_params"], 1), diag=diag,
                nan_at=cfg.fault_nan_grad_at(), stall_at=cfg.fault_stall_at())
+    run.processes = _all_processes(world_size)
 
     saved = None
     if resume_from is not None:
@@ -366,7 +409,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
             earlier = run_dir / "env.json"
             if earlier.is_file():
                 env["resumed"]["earlier_env"] = json.loads(earlier.read_text())
-        write_status(run_dir, "running", run.start_step, cfg.max_steps)
+        _write_running(run)
         try:
             (run_dir / "config.json").write_text(cfg.to_json())
             (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
@@ -588,6 +631,8 @@ def finish_step(run: _Run, p: _PendingStep) -> None:
         raise TrainingError(f"the gradient norm was non-finite for {run.skipped_in_a_row} steps in a row (through "
                             f"step {p.step}); stopping the run (max_consecutive_skips)")
     run.steps_done = p.step + 1
+    if run.rank == 0 and time.monotonic() - run.status_at >= _STATUS_EVERY_S:
+        _write_running(run)
 
 
 def _metric_columns(opt) -> list[str]:
@@ -650,7 +695,7 @@ def _validate_if_due(run: _Run, step: int) -> float | None:
     run.opt.drain()  # install any staged parameter refresh before reading the weights
     run.last_val = evaluate(run.model, run.val_set, cfg.B, run.device, run.world_size)
     if run.rank == 0:
-        write_status(run.run_dir, "running", step, cfg.max_steps)
+        _write_running(run)
     return run.last_val
 
 
@@ -694,8 +739,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
     resume: "auto" continues from the newest valid checkpoint in the run folder (a fresh start when
     there is none), a path continues from that checkpoint; metrics.csv and diag.csv rows of the
     steps it re-runs are set aside first. Config, checkpoint, run-folder and data errors are raised
-    before the run folder is touched. The folder's status.json says how the run ended: completed,
-    failed (with the error) or killed.
+    before the run folder is touched, and so is another live run's hold on the folder (FolderLock, held
+    by rank 0 for the run's life). The folder's status.json says how the run stands: running (kept
+    current as steps finish), completed, diverged (more than diverged_skip_frac of the steps skipped),
+    failed (with the error) or killed (with the signal).
     """
     run_dir = Path(run_dir)
     rank, world_size, local_rank = _dist_env()
@@ -709,12 +756,18 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         raise ConfigError(f"kernels={cfg.kernels} on the CPU: Triton runs there only under the interpreter, "
                           "set TRITON_INTERPRET=1")
     _init_distributed(cfg, device, world_size)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_killed) \
-        if threading.current_thread() is threading.main_thread() else None
+    global _stop_signal
+    _stop_signal = None
+    previous_handlers = {s: signal.signal(s, _raise_killed) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
     run_log = _RunLog(rank)
+    lock = FolderLock(run_dir, "run", hint="wait for it to end, or choose another --run-dir") if rank == 0 else None
     run = None
     step = 0
     try:
+        stale = _rank0_decides(lambda: lock.acquire().stale_note(), rank, world_size)  # before anything is touched
+        if stale:
+            log.warning(stale)
         run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume))
         run.start += time.perf_counter()
         pending = None                      # the previous step, until its scalars are read
@@ -747,6 +800,14 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         _finish_run(run)
         return run_dir
     except (RuntimeError, RunKilled, KeyboardInterrupt) as err:
+        if _stop_signal is not None or not isinstance(err, RuntimeError):  # whatever a stop signal interrupted
+            err = RunKilled(_stopped_line(run, _stop_signal or "SIGINT", step))
+            _record_end(rank, run, err)
+            raise err from None
+        if isinstance(err, RunWriteError):  # rank 0's own files: the others learn of it from torchrun
+            err = TrainingError(f"{err}; stopped at step {step}", everywhere=False)
+            _record_end(rank, run, err)
+            raise err from None
         if isinstance(err, RuntimeError) and not isinstance(err, TrainingError) and _is_timeout(err):
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             err = TrainingError(f"a collective did not finish within collective_timeout_s={cfg.collective_timeout_s:g} "
@@ -768,8 +829,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         if run is not None and run.diag is not None:
             run.diag.close()
         run_log.close()
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        if lock is not None:
+            lock.release()
+        for s, handler in previous_handlers.items():
+            signal.signal(s, handler)
 
 
 def _save_checkpoint(run: _Run, step: int) -> None:
@@ -786,8 +849,15 @@ def _finish_run(run: _Run) -> None:
     log.info("")
     log.info(run.meter.summary())
     log.info("=== Training complete ===")
+    skipped_frac = run.skipped_total / run.cfg.max_steps
+    diverged = skipped_frac > run.cfg.diverged_skip_frac
+    if diverged:
+        log.warning(f"the run diverged: {run.skipped_total} of {run.cfg.max_steps} steps skipped "
+                    f"({skipped_frac:.0%} > diverged_skip_frac={run.cfg.diverged_skip_frac:g})")
     if run.rank == 0:
-        write_status(run.run_dir, "completed", run.cfg.max_steps, run.cfg.max_steps)
+        write_status(run.run_dir, "diverged" if diverged else "completed", run.cfg.max_steps, run.cfg.max_steps,
+                     error=f"{run.skipped_total} of {run.cfg.max_steps} steps skipped for a non-finite gradient norm "
+                           f"(more than diverged_skip_frac={run.cfg.diverged_skip_frac:g})" if diverged else None)
     if run.metrics is not None:
         run.metrics.close()
         run.metrics = None
@@ -809,15 +879,54 @@ def _destroy_process_group(world_size: int) -> None:
         dist.destroy_process_group()
 
 
+def _all_processes(world_size: int) -> list[dict]:
+    """process_info() of every rank, in rank order (one collective at setup)."""
+    if world_size == 1:
+        return [process_info()]
+    out = [None] * world_size
+    dist.all_gather_object(out, process_info())
+    return out
+
+
+def _write_running(run: _Run) -> None:
+    """status.json while the run goes: steps done so far and the ranks' processes (read_status tells
+    from them whether the run still lives)."""
+    write_status(run.run_dir, "running", run.steps_done, run.cfg.max_steps, processes=run.processes)
+    run.status_at = time.monotonic()
+
+
 def _raise_killed(signum, frame):
-    raise RunKilled(f"stopped by signal {signal.Signals(signum).name}")
+    global _stop_signal
+    if _stop_signal is not None:
+        return  # stopping already (torchrun passes Ctrl-C on to ranks that got it): let the cleanup finish
+    _stop_signal = signal.Signals(signum).name
+    raise RunKilled(f"stopped by {_stop_signal}")
+
+
+def _stopped_line(run: _Run | None, sig: str, step: int) -> str:
+    """The one line a signal-stopped run prints: where it stopped and how to go on."""
+    if run is None:
+        return f"stopped by {sig} before the first step"
+    ckpts = run.run_dir / "checkpoints"
+    resumable = ckpts.is_dir() and any((p / checkpoint.META_FILE).is_file() for p in ckpts.glob("step_*"))
+    return (f"stopped by {sig} at step {run.steps_done} of {run.cfg.max_steps}"
+            + ("; continue with --resume auto" if resumable else ""))
 
 
 def _record_end(rank: int, run: _Run | None, err: BaseException) -> None:
-    if rank == 0 and run is not None:
-        killed = isinstance(err, (RunKilled, KeyboardInterrupt))
-        write_status(run.run_dir, "killed" if killed else "failed", run.steps_done, run.cfg.max_steps,
-                     error=f"{type(err).__name__}: {err}")
+    """status.json for a run that did not complete: rank 0's, or another rank's for an error only that rank
+    saw (a collective that timed out there: rank 0 may be the rank that stalled, and never write again)."""
+    if run is None or not (rank == 0 or isinstance(err, TrainingError) and not err.everywhere):
+        return
+    if isinstance(err, RunKilled):
+        state, extra = "killed", {"signal": _stop_signal or "SIGINT"}
+    else:
+        state, extra = "failed", {} if rank == 0 else {"reported_by_rank": rank}
+    try:
+        write_status(run.run_dir, state, run.steps_done, run.cfg.max_steps, error=f"{type(err).__name__}: {err}",
+                     **extra)
+    except RunWriteError as write_err:
+        log.error(f"{write_err} (recording how the run ended: {err})")
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
@@ -856,6 +965,11 @@ def main(argv=None) -> None:
     try:
         cfg, args = parse_args(argv)
         train(cfg, args.run_dir, overwrite=args.overwrite, resume=args.resume)
+    except RunKilled as err:
+        # One line for the whole job, not a traceback per rank.
+        if _dist_env()[0] == 0:
+            print(err, file=sys.stderr, flush=True)
+        sys.exit(128 + signal.Signals[_stop_signal or "SIGINT"])
     except (ConfigError, DataError, TrainingError) as err:
         # Every rank raises the same config, data or training error: rank 0 speaks for all.
         rank = _dist_env()[0]

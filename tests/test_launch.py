@@ -184,7 +184,7 @@ def test_torchrun_binds_its_own_port():
     # No port probed here and handed on (that raced with other processes between probe and bind):
     # --standalone's rendezvous and the ranks' store both bind port 0, the OS picks.
     cmd = torchrun_command(["-m", "blunb.train"], 2)
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert cmd[1:5] == ["-m", "blunb.launch", "--standalone", "--nproc_per_node=2"]  # torchrun, quiet on a signal
     assert not any(a.startswith(("--master", "--rdzv")) for a in cmd)
     with pytest.raises(ValueError, match="nproc must be >= 1"):
         torchrun_command(["x.py"], 0)
