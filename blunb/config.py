@@ -180,6 +180,10 @@ class TrainConfig:
     device: str = "auto"            # "auto" | "cpu" | "cuda"
     kernels: str = "auto"           # "auto" | "torch" | "triton" | per op, e.g. "swiglu=torch,qk_norm_rope=torch"
     compile: bool = False           # torch.compile the model (forward + backward); the optimizers stay eager
+    # Bit-reproducible GPU runs: torch's deterministic algorithms (an op without one fails naming itself),
+    # CUBLAS_WORKSPACE_CONFIG, cuDNN deterministic, fixed Triton kernel configs and no timed backend choice
+    # (blunb.train applies and records the knobs; docs/architecture.md). Costs some speed.
+    deterministic: bool = False
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
     ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
     ckpt_keep: int = 2              # the newest this many valid checkpoints are kept
@@ -229,6 +233,8 @@ class TrainConfig:
             raise ConfigError(str(err)) from None
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be true or false, got {self.compile!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"deterministic must be true or false, got {self.deterministic!r}")
         _check_lr_pair("max_lr", self.max_lr, "min_lr", self.min_lr)
         _check_lr_pair("muon_lr", self.muon_lr, "muon_min_lr", self.muon_min_lr)
         for name in ("weight_decay", "muon_weight_decay", "grad_clip"):  # grad_clip 0 = off

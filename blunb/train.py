@@ -309,6 +309,109 @@ class _Run:
     resumed_from: Path | None = None
 
 
+# The CUBLAS_WORKSPACE_CONFIG values cuBLAS documents as reproducible (the two torch's deterministic mode accepts).
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+class _Determinism:
+    """deterministic=true's process-wide settings: train() applies them before CUDA is initialized and puts
+    torch's flags back when it returns (a notebook or a test calling train() in-process gets its own back).
+
+    - torch.use_deterministic_algorithms(True), warn_only=False: every op with a deterministic variant runs
+      it (the embedding backward; index_put; SDPA's flash backward, and its cuDNN backend is excluded), one
+      without raises naming itself, and torch.empty memory is filled (fill_uninitialized_memory, torch's
+      default under the flag).
+    - CUBLAS_WORKSPACE_CONFIG, torch.backends.cudnn.deterministic / benchmark=False.
+    - blunb's kernels follow torch's flag (blunb/kernels/__init__.py): fixed Triton configs, backend
+      choices by shape, nothing timed.
+    - compile=true: Inductor's deterministic mode (its timed choices that change numerics are off).
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.on, self.compile = cfg.deterministic, cfg.compile
+        self.notes: list[str] = []  # what the log and env.json must say about how the settings were applied
+        self._saved: dict | None = None
+
+    def apply(self) -> None:
+        if not self.on:
+            return
+        self._saved = {"algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                      torch.is_deterministic_algorithms_warn_only_enabled()),
+                       "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)}
+        # torch sizes cuBLAS's workspace from this variable once, on the first GEMM of the process: it goes
+        # into the environment here, before CUDA is initialized. It stays set afterwards (what was read
+        # cannot be unread). A value set already is kept only if it is one of the reproducible ones.
+        env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if env not in CUBLAS_DETERMINISTIC:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
+            if env is not None:
+                self.notes.append(f"CUBLAS_WORKSPACE_CONFIG={env!r} is not reproducible (one of "
+                                  f"{', '.join(CUBLAS_DETERMINISTIC)}): replaced by {CUBLAS_DETERMINISTIC[0]}")
+            if torch.cuda.is_initialized():
+                self.notes.append("CUDA was in use in this process before CUBLAS_WORKSPACE_CONFIG was set: a GEMM "
+                                  "before it fixed cuBLAS's workspace already; a fresh process is reproducible")
+        if self.compile:
+            import torch._inductor.config as inductor_config
+
+            if hasattr(inductor_config, "deterministic"):
+                self._saved["inductor"] = inductor_config.deterministic  # before torch's flag (newer torch ties them)
+            else:
+                self.notes.append(f"torch {torch.__version__}'s Inductor has no deterministic mode: its timed "
+                                  "reduction configs may differ between runs")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        if "inductor" in self._saved:
+            inductor_config.deterministic = True
+
+    def restore(self) -> None:
+        if self._saved is None:
+            return
+        on, warn_only = self._saved["algorithms"]
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self._saved["cudnn"]
+        if "inductor" in self._saved:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.deterministic = self._saved["inductor"]
+        self._saved = None
+
+    def facts(self) -> dict:
+        """env.json's record of the settings as they stand (torch's flag also when a caller set it)."""
+        import torch.utils.deterministic
+
+        fixed = torch.are_deterministic_algorithms_enabled()
+        out = {"deterministic": self.on, "torch_deterministic_algorithms": fixed,
+               "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+               "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+               "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+               "cudnn_deterministic": torch.backends.cudnn.deterministic,
+               "cudnn_benchmark": torch.backends.cudnn.benchmark,
+               "triton_configs": "fixed" if fixed else "autotuned (timed)",
+               "backend_choice": "by shape (flash attention: triton; syrk: cuBLAS)" if fixed else
+                                 "timed where a kernel decides per shape (flash attention, syrk)",
+               "notes": list(self.notes)}
+        if self.compile:
+            import torch._inductor.config as inductor_config
+
+            out["inductor_deterministic"] = getattr(inductor_config, "deterministic", None)
+        return out
+
+
+def _determinism_lines(d: dict) -> list[str]:
+    """The start line(s) saying which deterministic=true settings the run set (from env.json's record)."""
+    if not d["deterministic"]:
+        return ["determinism: off (deterministic=false): Triton configs and some backend choices are timed; two "
+                "runs can differ from step 0"]
+    parts = ["torch.use_deterministic_algorithms(True) (an op without a deterministic implementation raises)",
+             f"CUBLAS_WORKSPACE_CONFIG={d['cublas_workspace_config']}", "cuDNN deterministic, benchmark off",
+             "SDPA's deterministic backends (no cuDNN attention)", "uninitialized memory filled"
+             if d["fill_uninitialized_memory"] else "uninitialized memory not filled",
+             f"Triton configs {d['triton_configs']}", f"backend choice {d['backend_choice']}"]
+    if "inductor_deterministic" in d:
+        parts.append("Inductor deterministic" if d["inductor_deterministic"] else "Inductor NOT deterministic")
+    return ["determinism: deterministic=true: " + ", ".join(parts), *(f"  WARNING: {n}" for n in d["notes"])]
+
+
 def _init_distributed(cfg: TrainConfig, device: torch.device, world_size: int) -> None:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
@@ -339,9 +442,9 @@ def _find_checkpoint(run_dir: Path, resume: str) -> Path | None:
 
 
 def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
-          run_log: _RunLog, resume: str | None = None) -> _Run:
+          run_log: _RunLog, resume: str | None = None, determinism: _Determinism | None = None) -> _Run:
     """Data and checkpoint (checked before anything else), model, optimizers, the resumed state,
-    then the run folder and its records."""
+    then the run folder and its records (determinism: the settings train() applied, recorded)."""
     data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
     resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
     meta = corpus_meta(data_dir)
@@ -372,6 +475,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
     meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
                            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     facts = _run_facts(cfg, model, opt, device)
+    facts["determinism"] = (determinism or _Determinism(cfg)).facts()
     facts["data"] = {**train_loader.describe(), "data_seed": cfg.resolved_data_seed(), "init_seed": init_seed}
     clip = facts["optimizer"]["clip"]
     run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
@@ -488,6 +592,7 @@ def _start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str
             lines.append(f"  WARNING: no refresh stage covers {', '.join(facts['refresh_uncovered'])}: installed "
                          "with stage 0, not overlapped")
     lines.append("kernels: " + " ".join(f"{op}={b}" for op, b in facts["kernels"].items()))
+    lines += _determinism_lines(facts["determinism"])
     lines.append(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
                  f"validation: {run.val_set.n_seq * cfg.T:,} tokens split over {run.world_size} rank(s)")
     d = facts["data"]
@@ -755,7 +860,13 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
             and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"kernels={cfg.kernels} on the CPU: Triton runs there only under the interpreter, "
                           "set TRITON_INTERPRET=1")
-    _init_distributed(cfg, device, world_size)
+    determinism = _Determinism(cfg)
+    determinism.apply()  # before CUDA is initialized (CUBLAS_WORKSPACE_CONFIG); put back in the finally below
+    try:
+        _init_distributed(cfg, device, world_size)
+    except BaseException:
+        determinism.restore()
+        raise
     global _stop_signal
     _stop_signal = None
     previous_handlers = {s: signal.signal(s, _raise_killed) for s in (signal.SIGTERM, signal.SIGINT)} \
@@ -768,7 +879,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         stale = _rank0_decides(lambda: lock.acquire().stale_note(), rank, world_size)  # before anything is touched
         if stale:
             log.warning(stale)
-        run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume))
+        run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume),
+                    determinism)
         run.start += time.perf_counter()
         pending = None                      # the previous step, until its scalars are read
         profiler, profile_window = None, (_profile_window(cfg, run.start_step) if rank == 0 else range(0))
@@ -833,6 +945,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
             lock.release()
         for s, handler in previous_handlers.items():
             signal.signal(s, handler)
+        determinism.restore()
 
 
 def _save_checkpoint(run: _Run, step: int) -> None:

@@ -9,6 +9,12 @@ The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
 exposing a function named like the op. On a machine without CUDA, Triton kernels
 run under the interpreter (TRITON_INTERPRET=1, set here before Triton is imported).
 
+Under torch's deterministic mode (torch.use_deterministic_algorithms(True): the trainer's
+deterministic=true) nothing here depends on a timing: every autotuned kernel launches one fixed
+config (fused/_common.py's Tuned; the config sets the reduction order, so a timed pick could change
+the bits between two runs), and a module's prefer() decides by the shape alone (flash attention:
+Triton wherever it supports the shape; syrk: cuBLAS).
+
 Each fused op's forward and backward are `torch.library` custom ops (`torch.ops.blunb.<op>_fwd`,
 `<op>_bwd`) with fake implementations, tied together by `register_autograd`: torch.compile sees
 each as one opaque node with known output shapes, dtypes and strides, so it traces the model
@@ -69,10 +75,15 @@ def parse_backends(spec: str) -> dict[str, str | None]:
     return out
 
 
+def forced_backend(op: str) -> str | None:
+    """The backend BLUNB_KERNELS forces for `op` (torch or triton), None for auto."""
+    return parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))[op]
+
+
 def _resolve(op: str, backend: str | None, x: torch.Tensor, args) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    backend = backend or parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))[op]
+    backend = backend or forced_backend(op)
     if backend is None:
         mod = _fused(op) if x.is_cuda else None
         if not getattr(mod, "AUTO", True):
@@ -120,8 +131,11 @@ def syrk(x, backend: str | None = None):
 
 def describe(device) -> dict[str, str]:
     """The backend each op will use on `device` (for the run log): torch, triton, or
-    triton-or-torch where the fused module decides per shape (its `prefer`)."""
+    triton-or-torch where the fused module decides per shape (its `prefer`); under torch's
+    deterministic mode a Triton kernel is "triton (fixed config)" and a per-shape choice says
+    what it is then (the module's DETERMINISTIC_CHOICE)."""
     backends = parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))
+    fixed = torch.are_deterministic_algorithms_enabled()
     out = {}
     for op in OPS:
         mod, forced = _fused(op), backends[op]
@@ -129,6 +143,10 @@ def describe(device) -> dict[str, str]:
             out[op] = forced if (forced == "torch" or mod is not None) else "torch (no triton kernel)"
         elif torch.device(device).type != "cuda" or mod is None or not getattr(mod, "AUTO", True):
             out[op] = "torch"
+        elif hasattr(mod, "prefer"):
+            out[op] = mod.DETERMINISTIC_CHOICE if fixed else "triton-or-torch (per shape)"
         else:
-            out[op] = "triton-or-torch (per shape)" if hasattr(mod, "prefer") else "triton"
+            out[op] = "triton"
+        if fixed and out[op] == "triton":
+            out[op] = "triton (fixed config)"
     return out

@@ -15,7 +15,9 @@ Backward: a preprocess kernel computes delta = rowsum(dO * O); then one kernel p
 (key block j, batch, kv head) computes dk/dv for key block j, looping over the group's
 query heads (the GQA sum happens in registers), and then dq for query block j of each
 of the group's query heads. No atomics: every output element is written by exactly one
-program in a fixed order, so the backward is deterministic (bitwise reproducible).
+program in a fixed order, so the backward is deterministic (bitwise reproducible) for a given
+launch config; under torch's deterministic mode the config is fixed too (the first candidate for
+the head dim, never timed) and prefer() picks this kernel for every shape it supports.
 Putting both phases in one program also balances causal work: key block j has
 (n - j) query blocks above it, query block j has (j + 1) key blocks left of it.
 """
@@ -23,11 +25,14 @@ Putting both phases in one program also balances causal work: key block j has
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from blunb.kernels.fused._common import Tuned, deterministic
 
 LOG2E = 1.4426950408889634
 # Exactly one config under the interpreter: several would be timed with a CUDA-only do_bench.
@@ -71,6 +76,20 @@ def _pruner(table, names):
 _FWD_NAMES, _BWD_NAMES = ("BLOCK_M", "BLOCK_N"), ("BLOCK", "SUB")
 _FWD_CONFIGS = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32})] if INTERPRET else _gpu_configs(_FWD_GPU, _FWD_NAMES)
 _BWD_CONFIGS = [triton.Config({"BLOCK": 64, "SUB": 32})] if INTERPRET else _gpu_configs(_BWD_GPU, _BWD_NAMES)
+
+
+def _fixed_by_head_dim(table, names, configs):
+    """The config deterministic mode launches: the first candidate of the head dim's table (the one
+    config under the interpreter). A function of HEAD_DIM only, never of a timing."""
+    if INTERPRET:
+        return configs[0]
+
+    @functools.cache
+    def for_head_dim(hd: int) -> triton.Config:
+        c = table.get(hd, table[64] if hd < 64 else table[128])[0]
+        return triton.Config(dict(zip(names, c[:2], strict=True)), num_warps=c[2], num_stages=c[3])
+
+    return lambda kwargs: for_head_dim(kwargs["HEAD_DIM"])
 
 
 def _tune_bench(kernel_call, quantiles):
@@ -178,6 +197,9 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale,
     acc = acc / l_i[:, None]
     tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=row_ok)
     tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+_fwd_kernel = Tuned(_fwd_kernel, _fixed_by_head_dim(_FWD_GPU, _FWD_NAMES, _FWD_CONFIGS))
 
 
 # ---------------------------------------------------------------------------- backward
@@ -360,6 +382,9 @@ def _bwd_kernel(Q, K, V, DO, DQ, DK, DV, LSE, Delta, qk_scale, sm_scale,
         tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=blk_ok[:, None])
 
 
+_bwd_kernel = Tuned(_bwd_kernel, _fixed_by_head_dim(_BWD_GPU, _BWD_NAMES, _BWD_CONFIGS))
+
+
 # ----------------------------------------------------------------------------- wrapper
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: exact fp32 products (TF32 would break the fp32 contract); ignored for 16-bit.
@@ -472,6 +497,9 @@ def flash_attention(q, k, v, causal=True):
 
 # ------------------------------------------------------------------ backend choice (CUDA)
 _choice: dict[tuple, bool] = {}
+_fixed_choice: set[tuple] = set()  # the shape classes whose deterministic-mode choice was announced
+# describe()'s words for the choice under torch's deterministic mode
+DETERMINISTIC_CHOICE = "triton (fixed config; SDPA for fp32 or unsupported shapes)"
 
 
 def _announce(msg: str) -> None:
@@ -506,11 +534,14 @@ def prefer(q, k, v, causal) -> bool:
     """Triton for this call (else SDPA)? Decided once per shape class (hd, T rounded up to a
     power of two, dtype, GQA ratio, causal, with/without backward) by timing both on inputs
     of this exact shape and layout; Triton wins ties. The choice and timings are printed once
-    per class (rank 0). fp32 and unsupported shapes always go to SDPA."""
+    per class (rank 0). fp32 and unsupported shapes always go to SDPA. Under torch's deterministic
+    mode nothing is timed: Triton for every shape it supports (its backward has no atomics; SDPA's
+    cuDNN backend is excluded there and its flash backend runs a slower deterministic backward)."""
     B, Hq, T, hd = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (hd, triton.next_power_of_2(T), q.dtype, Hq // max(k.shape[1], 1), bool(causal), grad, q.device)
-    if key in _choice:
+    fixed = deterministic()
+    if key in _choice and not fixed:
         return _choice[key]
     try:
         _check(q, k, v)
@@ -518,6 +549,12 @@ def prefer(q, k, v, causal) -> bool:
         reason = "fp32 inputs (SDPA keeps full fp32 matmuls)"
     except ValueError as err:
         supported, reason = False, str(err)
+    if fixed:
+        if not torch.compiler.is_compiling() and key not in _fixed_choice:  # no print inside a trace
+            _fixed_choice.add(key)
+            _announce(f"{'triton' if supported else 'SDPA'} for hd={hd} T={T} {q.dtype} Hq/Hkv={Hq}/{k.shape[1]} "
+                      f"causal={bool(causal)}: deterministic mode, not timed" + ("" if supported else f" ({reason})"))
+        return supported
     if supported and (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
         return False  # cannot time here; decided on the next eager call
     if supported:

@@ -12,6 +12,11 @@ the GPU against cuBLAS, timing kernel execution only, after a numerical cross-ch
 against cuBLAS (a config beyond tolerance is rejected, loudly). Verdicts persist in a
 versioned JSON file, `$BLUNB_CACHE_DIR` or ~/.cache/blunb/, keyed by device and
 library versions so stale verdicts never apply after an upgrade.
+
+The choice follows BLUNB_KERNELS' syrk entry where it forces one (kernels=syrk=torch runs cuBLAS,
+Newton-Schulz included). Under torch's deterministic mode nothing is timed: a verdict made by
+timing can differ between two fresh runs, so the auto choice is cuBLAS, and a forced Triton SYRK
+runs FIXED_CONFIG.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blunb.kernels.fused._common import interpreting
+from blunb.kernels.fused._common import deterministic, interpreting
 
 CACHE_VERSION = 1
 # (BLOCK_M, BLOCK_K, num_warps, num_stages). Tiles are square: the mirror store needs
@@ -38,6 +43,9 @@ CACHE_VERSION = 1
 GPU_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (128, 32, 4, 5),
                (64, 64, 4, 4), (64, 32, 4, 5)]
 CPU_CONFIG = (32, 32, 4, 1)  # one config under the interpreter; small programs are faster there
+FIXED_CONFIG = GPU_CONFIGS[0]  # a forced Triton SYRK under deterministic mode (never timed)
+# describe()'s words for the choice under torch's deterministic mode
+DETERMINISTIC_CHOICE = "torch (cuBLAS, not timed)"
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
@@ -133,7 +141,10 @@ def triton_syrk(x: torch.Tensor, alpha: float = 1.0, beta: float = 0.0, c: torch
     if c is not None and c.shape != x.shape[:-1] + (x.shape[-2],):
         raise ValueError(f"syrk: c must be {tuple(x.shape[:-1]) + (x.shape[-2],)}, got {tuple(c.shape)}")
     if config is None:
-        config = CPU_CONFIG if interpreting() or not x.is_cuda else _best_config(x, c is not None)
+        if interpreting() or not x.is_cuda:
+            config = CPU_CONFIG
+        else:
+            config = FIXED_CONFIG if deterministic() else _best_config(x, c is not None)
     out = torch.empty(x.shape[:-1] + (x.shape[-2],), dtype=x.dtype, device=x.device)
     _launch(_as3(x), _as3(out), None if c is None else _as3(c), alpha, beta, config)
     return out
@@ -151,6 +162,13 @@ def prefer(x: torch.Tensor) -> bool:
 
 def use_triton(x: torch.Tensor, has_c: bool) -> bool:
     if not x.is_cuda or interpreting() or x.dim() not in (2, 3):
+        return False
+    from blunb.kernels import forced_backend  # here: blunb.kernels imports this module
+
+    forced = forced_backend("syrk")
+    if forced is not None:
+        return forced == "triton"
+    if deterministic():
         return False
     if torch.cuda.is_current_stream_capturing():  # cannot time now: only a known verdict counts
         v = _cache.get(_key(x, has_c))
