@@ -9,6 +9,7 @@ field. `validate` raises ConfigError, naming the offending setting, before any w
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -387,6 +388,22 @@ def _parse_value(raw: str, current):
     return raw
 
 
+def settings_help(cfg: TrainConfig) -> str:
+    """Every `--set` key with its value in `cfg`, one per line (what `--help-settings` prints)."""
+    lines = [f"{f.name} = {getattr(cfg, f.name)!r}" for f in fields(TrainConfig) if f.name != "model"]
+    lines += [f"model.{f.name} = {getattr(cfg.model, f.name)!r}" for f in fields(ModelConfig)]
+    lines.append(f"{ALL_BF16} = (sets {', '.join(BF16_STAGES)})")
+    return "\n".join(lines)
+
+
+def _suggest(key: str, known: set[str]) -> str:
+    """ "; did you mean ...?" with the nearest known keys (a full listing of ~80 keys helps nobody)."""
+    close = difflib.get_close_matches(key.removeprefix("model."), sorted(known), n=3, cutoff=0.6)
+    if not close:
+        return " (`blunb-train --help-settings` lists every setting)"
+    return f"; did you mean {' or '.join(close)}?"
+
+
 def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     """Apply `key=value` strings in order; unknown keys are an error naming the key.
 
@@ -412,15 +429,15 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         if key.startswith("model."):
             target, name = cfg.model, key[len("model."):]
             if name not in model_keys:
-                raise ConfigError(f"unknown model setting {name!r} in override {item!r}")
+                raise ConfigError(f"unknown model setting {name!r} in override {item!r}"
+                                  f"{_suggest(name, model_keys | {ALL_BF16})}")
         elif key in train_keys:
             target, name = cfg, key
         elif key in model_keys:
             target, name = cfg.model, key
         else:
-            raise ConfigError(f"unknown setting {key!r}; TrainConfig keys: {sorted(train_keys)}; "
-                              f"ModelConfig keys (optionally prefixed 'model.'): {sorted(model_keys)}; "
-                              f"and {ALL_BF16} (sets {', '.join(BF16_STAGES)})")
+            raise ConfigError(f"unknown setting {key!r} in override {item!r}"
+                              f"{_suggest(key, train_keys | model_keys | {ALL_BF16})}")
         try:
             if target is cfg and name in OPTIONAL_SEEDS:  # None by default: the type is not in the value
                 value = None if raw.lower() == "none" else _parse_value(raw, 0)

@@ -71,6 +71,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from blunb.cli import prog_name
 from blunb.config import ConfigError
 from blunb.launch import check_train_args, parse_failure, torchrun_command
 from blunb.runs import (
@@ -736,7 +737,7 @@ def _literal(raw: str):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m blunb.study",
+    ap = argparse.ArgumentParser(prog=prog_name("blunb-study", "blunb.study"),
                                  description="Run a study notebook headless (papermill), parameters injected.")
     ap.add_argument("notebook", type=Path)
     ap.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),

@@ -43,8 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blunb import checkpoint, kernels
-from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
+from blunb import checkpoint, kernels, memory
+from blunb.cli import prog_name
+from blunb.config import ConfigError, TrainConfig, apply_overrides, preset, settings_help
 from blunb.data import (
     DataError,
     ShardLoader,
@@ -57,6 +58,7 @@ from blunb.data import (
     ensure_default_corpus,
     find_shards,
 )
+from blunb.launch import torchrun_command
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim.build import StepRecord, StepStats, build_optimizers
@@ -445,6 +447,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
           run_log: _RunLog, resume: str | None = None, determinism: _Determinism | None = None) -> _Run:
     """Data and checkpoint (checked before anything else), model, optimizers, the resumed state,
     then the run folder and its records (determinism: the settings train() applied, recorded)."""
+    memory_line = _rank0_decides(lambda: memory.check(cfg, world_size, device), rank, world_size)
     data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
     resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
     meta = corpus_meta(data_dir)
@@ -533,6 +536,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
                  + (f"; settings changed since: {changed}" if changed else ""))
     for line in _start_lines(run, facts, data_dir, meta):
         log.info(line)
+    log.info(memory_line)
     return run
 
 
@@ -1043,9 +1047,12 @@ def _record_end(rank: int, run: _Run | None, err: BaseException) -> None:
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
-    ap = argparse.ArgumentParser(prog="python -m blunb.train", description="Train a BLU model; writes a run folder.")
-    ap.add_argument("--preset", default="tiny", help="tiny | 124m | 1b | seed-4b")
-    ap.add_argument("--max-steps", type=int, help="steps to run; rescales the WSD schedule like BLU_MAX_STEPS")
+    ap = argparse.ArgumentParser(prog=prog_name("blunb-train", "blunb.train"),
+                                 description="Train a BLU model; writes a run folder.")
+    ap.add_argument("--preset", default="tiny", help="tiny (the default) | 124m | 1b | seed-4b")
+    ap.add_argument("--max-steps", type=int,
+                    help="steps to run (>= 3: the first steps compile and warm up, the steady figures need the "
+                         "rest); rescales the WSD schedule like BLU_MAX_STEPS")
     ap.add_argument("--run-dir", help="run folder (default: results/adhoc/<preset>-<time>)")
     ap.add_argument("--optimizer", choices=["adamw", "muon", "ddp_adamw", "adamw_bf16_nomaster"],
                     help="adamw: ZeRO-1 ShardedAdamW (default); muon: ShardedMuon body + ShardedAdamW rest; "
@@ -1054,12 +1061,20 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     ap.add_argument("--data", help="folder of *train*.bin / *val*.bin shards (default: the embedded corpus)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override any TrainConfig / ModelConfig field (repeatable)")
+    ap.add_argument("--nproc", type=int, metavar="N",
+                    help="start N local ranks (torchrun --standalone) once the settings are checked here, so a "
+                         "config error is one line, not every rank's and torchrun's report")
+    ap.add_argument("--help-settings", action="store_true",
+                    help="list every --set key with its value in the chosen preset, then exit")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing run in --run-dir")
     ap.add_argument("--resume", metavar="auto|PATH",
                     help="auto: continue from the newest valid checkpoint in --run-dir (a fresh start when there "
                          "is none); PATH: continue from that checkpoint folder")
     args = ap.parse_args(argv)
     cfg = preset(args.preset)
+    if args.help_settings:
+        print(settings_help(cfg))
+        raise SystemExit(0)
     if args.max_steps is not None:
         cfg.rescale_schedule(args.max_steps)
     if args.optimizer:
@@ -1074,9 +1089,33 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     return cfg, args
 
 
+def _start_ranks(cfg: TrainConfig, nproc: int, argv: list[str]) -> None:
+    """--nproc N: check the settings at world size N in this one process, then replace it by torchrun
+    running this same command (without --nproc) on N ranks. Under torchrun it must agree with the job."""
+    if "LOCAL_RANK" in os.environ:
+        if nproc != _dist_env()[1]:
+            raise ConfigError(f"--nproc {nproc} under a torchrun job of {_dist_env()[1]} ranks: leave --nproc out")
+        return
+    cfg.validate(world_size=nproc)
+    memory.check(cfg, nproc, _pick_device(cfg, 0), local_ranks=nproc)
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    cmd = torchrun_command(["-m", "blunb.train", *rest], nproc)
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+
+
 def main(argv=None) -> None:
     try:
         cfg, args = parse_args(argv)
+        if args.nproc is not None:
+            _start_ranks(cfg, args.nproc, sys.argv[1:] if argv is None else list(argv))
         train(cfg, args.run_dir, overwrite=args.overwrite, resume=args.resume)
     except RunKilled as err:
         # One line for the whole job, not a traceback per rank.

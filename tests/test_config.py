@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from blunb.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, preset
+from blunb.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, preset, settings_help
 
 
 def test_presets_validate_and_match_the_seed():
@@ -45,6 +45,32 @@ def test_unknown_preset_is_named():
 def test_bad_overrides(override, message):
     with pytest.raises(ConfigError, match=message):
         apply_overrides(preset("tiny"), [override])
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("max_lrr=1", "did you mean max_lr"),
+    ("model.d_modle=64", "did you mean d_model"),
+    ("n_layer=2", "did you mean n_layers"),
+])
+def test_a_mistyped_key_names_the_nearest_keys_not_every_key(override, suggestion):
+    with pytest.raises(ConfigError, match=suggestion) as err:
+        apply_overrides(preset("tiny"), [override])
+    assert len(str(err.value)) < 200
+
+
+def test_a_key_like_no_other_points_to_the_settings_list():
+    with pytest.raises(ConfigError, match="--help-settings"):
+        apply_overrides(preset("tiny"), ["zzzqqq=1"])
+
+
+def test_settings_help_lists_every_key_that_apply_overrides_accepts():
+    listed = [line.split(" = ")[0] for line in settings_help(preset("124m")).splitlines()]
+    assert {"max_lr", "model.d_model", "all_bf16"} <= set(listed)
+    for key in listed:
+        try:
+            apply_overrides(preset("124m"), [f"{key}=1"])
+        except ConfigError as err:  # a bad value is fine here, an unknown key is not
+            assert "unknown" not in str(err), key
 
 
 def test_overrides_reach_both_dataclasses():
