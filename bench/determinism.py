@@ -314,19 +314,26 @@ def with_ratios(rows: list[dict]) -> pd.DataFrame:
     return table
 
 
-def console_record(v: Variant) -> list[str]:
-    """What the run's console says about its timed choices (default runs) or its settings (deterministic)."""
-    out = []
-    for r in v.results[:1]:
-        if "console" not in r or not Path(r["console"]).is_file():
-            continue
-        text = Path(r["console"]).read_text(errors="replace")
-        out += [ln for ln in text.splitlines() if ln.startswith(("kernels:", "determinism:", "  WARNING:"))
-                or "kernels.flash_attention:" in ln or ln.startswith("[syrk]")]
-        for m in re.finditer(r"Triton autotuning for function (\S+),\s*with key as (.*?),\s*finished after .*?,\s*"
-                             r"best config selected: (.*?);", text, re.S):
-            out.append(f"autotuned {m.group(1)} key {m.group(2).strip()}: {m.group(3).strip()}")
+def _console_lines(console: Path) -> list[str]:
+    """What a run's console says about its choices: the kernels and determinism start lines, the flash
+    attention backend (with its timings), SYRK notes and every config Triton's autotuner picked."""
+    text = console.read_text(errors="replace")
+    out = [ln for ln in text.splitlines() if ln.startswith(("kernels:", "determinism:", "  WARNING:", "[syrk]"))
+           or "kernels.flash_attention:" in ln]
+    for m in re.finditer(r"Triton autotuning for function (\S+),\s*with key as (.*?),\s*finished after .*?,\s*"
+                         r"best config selected: (.*?);", text, re.S):
+        out.append(f"autotuned {m.group(1)} key {m.group(2).strip()}: {m.group(3).strip()}")
     return list(dict.fromkeys(out))
+
+
+def console_record(v: Variant) -> list[str]:
+    """The runs' choices: lines every run printed once, then each run's own (where two default runs part)."""
+    per_run = [_console_lines(Path(r["console"])) for r in v.results if Path(r.get("console", "")).is_file()]
+    if not per_run:
+        return []
+    common = [ln for ln in per_run[0] if all(ln in other for other in per_run[1:])]
+    own = [f"run {i}: {ln}" for i, lines in enumerate(per_run) for ln in lines if ln not in common]
+    return common + own
 
 
 def _different(r) -> bool:
@@ -342,9 +349,10 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
             rows = t[t["variant"] == det]
             if len(rows) and rows.iloc[0]["status"] == "ok":
                 r = rows.iloc[0]
+                cost = (f"{r['tok_per_sec_vs_default']:.3f}x {base}" if not math.isnan(r["tok_per_sec_vs_default"])
+                        else f"{base} not measured")
                 lines.append(f"{preset_name} {det}: {'IDENTICAL' if r['identical'] else 'DIFFERENT'} over "
-                             f"{r['steps']} steps ({opt}); steady {r['steady_tok_per_sec']:,.0f} tok/s = "
-                             f"{r['tok_per_sec_vs_default']:.3f}x {base}")
+                             f"{r['steps']} steps ({opt}); steady {r['steady_tok_per_sec']:,.0f} tok/s = {cost}")
         for _, r in t.iterrows():
             if _different(r):
                 lines.append(f"{preset_name} {r['variant']}: differs first at step {r['first_diff_step']} in "
