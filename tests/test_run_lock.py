@@ -48,6 +48,7 @@ def _holder(folder, *, die: bool = False) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_a_held_folder_is_refused_naming_its_holder_and_freed_on_release(tmp_path):
     folder = tmp_path / "run"
     holder = _holder(folder)
@@ -67,6 +68,7 @@ def test_a_held_folder_is_refused_naming_its_holder_and_freed_on_release(tmp_pat
     assert sorted(p.name for p in folder.iterdir()) == ["kept.txt"]  # the lock file goes, the folder's files stay
 
 
+@pytest.mark.slow
 def test_a_dead_holders_lock_is_taken_over_and_named(tmp_path):
     folder = tmp_path / "run"
     dead = _holder(folder, die=True)
@@ -86,14 +88,16 @@ def _train(run_dir, *extra) -> subprocess.Popen:
                             env=ENV, cwd=REPO)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # two trainings on a loaded 2-core machine
 def test_two_runs_started_at_once_into_one_folder_one_runs_the_other_fails_fast(tmp_path):
     from blunb.data import ensure_default_corpus
 
     ensure_default_corpus(progress=False)
     run_dir = tmp_path / "r"
     # Each says which it is through a setting config.json records; both may replace what is there.
-    procs = {lr: _train(run_dir, "--max-steps", "30", "--set", f"max_lr={lr}") for lr in ("0.001", "0.002")}
-    outs = {lr: p.communicate(timeout=600) for lr, p in procs.items()}
+    procs = {lr: _train(run_dir, "--max-steps", "12", "--set", f"max_lr={lr}") for lr in ("0.001", "0.002")}
+    outs = {lr: p.communicate(timeout=1100) for lr, p in procs.items()}
     codes = {lr: p.returncode for lr, p in procs.items()}
     assert sorted(codes.values()) == [0, 2], {lr: (codes[lr], outs[lr][1][-2000:]) for lr in procs}
     winner = next(lr for lr, c in codes.items() if c == 0)
@@ -105,13 +109,15 @@ def test_two_runs_started_at_once_into_one_folder_one_runs_the_other_fails_fast(
     assert "step " not in outs[loser][0]  # it did no work
     # The folder holds the winner's run, whole: its config, its log, every one of its steps once.
     assert json.loads((run_dir / "config.json").read_text())["max_lr"] == float(winner)
-    assert pd.read_csv(run_dir / "metrics.csv")["step"].tolist() == list(range(30))
+    assert pd.read_csv(run_dir / "metrics.csv")["step"].tolist() == list(range(12))
     log = (run_dir / "log.txt").read_text()
     assert log.count("=== Training complete ===") == 1 and log.count("step      0 |") == 1
     assert read_status(run_dir)["state"] == "completed"
     assert not (run_dir / ".previous").exists() and not (run_dir / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_overwrite_cannot_move_a_live_runs_files(tmp_path):
     run_dir = tmp_path / "r"
     live = _train(run_dir, "--max-steps", "100000")
@@ -120,7 +126,7 @@ def test_overwrite_cannot_move_a_live_runs_files(tmp_path):
                   and len((run_dir / "metrics.csv").read_text().splitlines()) > 2, "the first run's steps", proc=live)
         before = (run_dir / "config.json").read_bytes()
         second = _train(run_dir, "--max-steps", "3", "--set", "max_lr=0.002")
-        out, err = second.communicate(timeout=300)
+        out, err = second.communicate(timeout=600)
         assert second.returncode == 2 and f"is in use: another run holds its lock (pid {live.pid} " in err, err
         assert not (run_dir / ".previous").exists() and (run_dir / "config.json").read_bytes() == before
         assert read_status(run_dir)["state"] == "running" and live.poll() is None
@@ -130,6 +136,8 @@ def test_overwrite_cannot_move_a_live_runs_files(tmp_path):
     assert read_status(run_dir)["state"] == "killed"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_second_study_into_one_folder_fails_before_any_work_naming_the_first(tmp_path, monkeypatch):
     code = textwrap.dedent(f"""
         from blunb.study import Study
@@ -151,7 +159,7 @@ def test_a_second_study_into_one_folder_fails_before_any_work_naming_the_first(t
             second.run()
         monkeypatch.undo()
     finally:
-        out = first.communicate(timeout=600)[0]
+        out = first.communicate(timeout=1100)[0]
     assert first.returncode == 0, out[-4000:]
     summary = pd.read_csv(tmp_path / "s" / "summary.csv")
     assert summary["run"].tolist() == ["a-s0"] and summary["status"].tolist() == ["completed"]  # the first's, whole

@@ -65,6 +65,7 @@ def test_a_status_naming_dead_processes_reads_killed_and_settles(tmp_path):
     assert read_status(tmp_path)["state"] == "running"
 
 
+@pytest.mark.slow
 def test_status_is_kept_current_and_a_sigkilled_run_reads_killed(tmp_path):
     run_dir = tmp_path / "r"
     proc = _start(_train_cmd(run_dir, "--max-steps", "100000"))
@@ -87,6 +88,8 @@ def summarize_status(run_dir) -> str:
     return summarize([load_run(run_dir)])["status"].iloc[0]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the collective timeout, then torchrun's grace before it SIGKILLs the stopped rank
 def test_a_stopped_rank_0_ends_failed_with_the_cause_not_running(tmp_path):
     """SIGSTOP of rank 0: rank 1's collective times out, torchrun ends the job (the stopped rank 0 by
     SIGKILL), and the status says what happened, although rank 0 never wrote again."""
@@ -101,7 +104,7 @@ def test_a_stopped_rank_0_ends_failed_with_the_cause_not_running(tmp_path):
         _wait_for(lambda: _status_steps(run_dir) >= 2, "status.json to count steps", proc)
         stopped = read_status(run_dir)["processes"][0]["pid"]
         os.kill(stopped, signal.SIGSTOP)
-        proc.communicate(timeout=300)
+        proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -121,6 +124,7 @@ def _nan_steps(steps):
     return ",".join(f"{s}:0" for s in steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skipped, expected", [(range(1, 12), "diverged"), (range(1, 6), "completed")])
 def test_a_run_that_skipped_most_of_its_steps_ends_diverged(tmp_path, skipped, expected):
     run_dir = tmp_path / "r"
@@ -143,6 +147,7 @@ def test_diverged_skip_frac_is_checked(bad):
         cfg.validate(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, n", [("metrics.csv", 5), ("log.txt", 25), ("status.json", 3)])
 def test_a_failed_write_of_a_run_file_stops_the_run_naming_it(tmp_path, name, n):
     run_dir = tmp_path / "r"
@@ -172,6 +177,8 @@ def test_the_fault_injection_spec_is_checked(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_ctrl_c_of_a_two_rank_run_is_one_line_and_recorded(tmp_path, ckpt):
     """SIGINT to the whole job (a terminal's Ctrl-C reaches torchrun and both ranks): one line on the
@@ -187,7 +194,7 @@ def test_ctrl_c_of_a_two_rank_run_is_one_line_and_recorded(tmp_path, ckpt):
         _wait_for(lambda: (run_dir / "metrics.csv").is_file()
                   and len((run_dir / "metrics.csv").read_text().splitlines()) > 5, "five steps", proc)
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
