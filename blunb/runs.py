@@ -19,6 +19,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -287,6 +288,24 @@ class FolderInUse(ConfigError):
     """Another live process holds the folder's lock (FolderLock)."""
 
 
+# A killed run's processes let go of the lock only once the kernel has finished them, which on a busy
+# machine can come a moment after their parent is reaped: re-issuing the command at once (the --resume auto
+# recipe) waits this long for that before calling the folder in use.
+LOCK_GRACE_S = 10.0
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+
 class FolderLock:
     """One owner per folder: an exclusive flock on <folder>/.lock, from acquire() to release().
 
@@ -310,9 +329,7 @@ class FolderLock:
         self._created = missing  # deepest first
         for _ in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _flock_within(fd, LOCK_GRACE_S):
                 holder = _lock_record(fd)
                 os.close(fd)
                 self._remove_created()
