@@ -79,7 +79,8 @@ def test_spec_claims_are_well_formed(path):
             assert c.na_reason and c.na_reason.strip(), f"{where}: an n/a claim states why"
             continue
         if c.test == "tost":
-            assert c.margin is not None and math.isfinite(c.margin) and c.margin > 0, f"{where}: TOST needs a margin > 0"
+            assert c.margin is not None and math.isfinite(c.margin) and c.margin > 0, \
+                f"{where}: TOST needs a margin > 0"
             assert not c.na_reason, f"{where}: na_reason on a tested claim"
         if c.test in BANDED:
             if c.band is None:  # descriptive: the data is shown, no claim asks; it says why it has no band
