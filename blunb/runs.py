@@ -205,7 +205,7 @@ def _process_start(pid: int) -> int | None:
     return None if fields[0] in "ZX" else int(fields[19])
 
 
-def _process_alive(info: dict) -> bool:
+def process_alive(info: dict) -> bool:
     """Whether the process of a process_info() record (on this host) still runs."""
     pid, start = info.get("pid"), info.get("start")
     if start is not None and Path("/proc").is_dir():
@@ -260,7 +260,7 @@ def read_status(run_dir: str | Path) -> dict | None:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     procs = status.get("processes") or []
     here = [p for p in procs if p.get("host") == socket.gethostname()]
-    if status.get("state") == "running" and here and not any(_process_alive(p) for p in here):
+    if status.get("state") == "running" and here and not any(process_alive(p) for p in here):
         pids = ", ".join(str(p["pid"]) for p in here)
         status.update(state="killed", process_gone=True,
                       error=f"process gone: the run's process(es) {pids} on {here[0]['host']} no longer run "
@@ -288,21 +288,47 @@ class FolderInUse(ConfigError):
     """Another live process holds the folder's lock (FolderLock)."""
 
 
-# A killed run's processes let go of the lock only once the kernel has finished them, which on a busy
-# machine can come a moment after their parent is reaped: re-issuing the command at once (the --resume auto
-# recipe) waits this long for that before calling the folder in use.
-LOCK_GRACE_S = 10.0
+# A holder that is going away (a stop signal reached it, the kernel is finishing it, or its launcher died:
+# blunb.train's ranks stop with their torchrun) lets go of the lock a moment later, which on a busy machine
+# can be seconds after its parent was reaped: re-issuing the command at once (the --resume auto recipe)
+# waits up to this long for such a holder. A live holder is refused at once.
+LOCK_GRACE_S = 30.0
 
 
-def _flock_within(fd: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
+def _holder_going_away(holder: dict) -> bool:
+    """Whether a lock record's process is stopping: it said so (mark_stopping), or on this host the
+    kernel is finishing it (a zombie, a SIGKILL pending) or its parent is no longer the one that
+    started it (a launcher's death; the ranks get SIGTERM with it)."""
+    if holder.get("stopping"):
+        return True
+    if not holder.get("pid") or holder.get("host") != socket.gethostname():
+        return False
+    try:
+        with open(f"/proc/{holder['pid']}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return True  # gone: the kernel frees its lock as it exits
+    if fields.get("State", "").strip()[:1] in ("Z", "X"):
+        return True
+    pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+    if pending & (1 << (9 - 1)):  # SIGKILL
+        return True
+    ppid = holder.get("ppid")
+    return ppid is not None and int(fields.get("PPid", ppid)) != ppid
+
+
+def _take_flock(fd: int) -> bool:
+    """Lock fd; a holder that is going away gets LOCK_GRACE_S to let go. False: a live holder has it."""
+    deadline = None
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if not _holder_going_away(_lock_record(fd)) or (deadline is not None and now >= deadline):
                 return False
+            deadline = deadline or now + LOCK_GRACE_S
             time.sleep(0.1)
 
 
@@ -320,6 +346,7 @@ class FolderLock:
         self.folder, self.what, self.hint = Path(folder), what, hint
         self.path = self.folder / LOCK_NAME
         self.taken_over: dict | None = None
+        self._record: dict = {}
         self._fd: int | None = None
         self._created: list[Path] = []
 
@@ -329,7 +356,7 @@ class FolderLock:
         self._created = missing  # deepest first
         for _ in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            if not _flock_within(fd, LOCK_GRACE_S):
+            if not _take_flock(fd):
                 holder = _lock_record(fd)
                 os.close(fd)
                 self._remove_created()
@@ -345,17 +372,27 @@ class FolderLock:
         else:
             raise RuntimeError(f"could not lock {self.path}: it was replaced ten times while locking it")
         self.taken_over = _lock_record(fd) or None  # a record left behind: its holder died holding it
-        record = json.dumps({**process_info(), "what": self.what,
-                             "started": datetime.now().astimezone().isoformat(timespec="seconds"),
-                             "argv": sys.argv}).encode()
+        self._record = {**process_info(), "ppid": os.getppid(), "what": self.what,
+                        "started": datetime.now().astimezone().isoformat(timespec="seconds"), "argv": sys.argv}
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, record, 0)
+            os.pwrite(fd, json.dumps(self._record).encode(), 0)
         except OSError as err:
             os.close(fd)
             raise write_failed(self.path, err) from err
         self._fd = fd
         return self
+
+    def mark_stopping(self) -> None:
+        """Say in the record that this holder is stopping (a stop signal), so a process that wants the
+        folder waits for the release rather than calling it in use. The record only grows: no truncate,
+        and a reader never sees it empty."""
+        if self._fd is None:
+            return
+        try:
+            os.pwrite(self._fd, json.dumps({**self._record, "stopping": True}).encode(), 0)
+        except OSError:
+            pass  # a full disk: the waiting process then fails fast naming this holder, as before
 
     def stale_note(self) -> str | None:
         """The line to log when acquire() took over a dead holder's lock."""

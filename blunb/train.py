@@ -873,6 +873,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         raise
     global _stop_signal
     _stop_signal = None
+    _stop_with_the_launcher()
     previous_handlers = {s: signal.signal(s, _raise_killed) for s in (signal.SIGTERM, signal.SIGINT)} \
         if threading.current_thread() is threading.main_thread() else {}
     run_log = _RunLog(rank)
@@ -917,6 +918,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         return run_dir
     except (RuntimeError, RunKilled, KeyboardInterrupt) as err:
         if _stop_signal is not None or not isinstance(err, RuntimeError):  # whatever a stop signal interrupted
+            if lock is not None:
+                lock.mark_stopping()  # a re-issued command waits for the release rather than failing
             err = RunKilled(_stopped_line(run, _stop_signal or "SIGINT", step))
             _record_end(rank, run, err)
             raise err from None
@@ -1010,6 +1013,18 @@ def _write_running(run: _Run) -> None:
     from them whether the run still lives)."""
     write_status(run.run_dir, "running", run.steps_done, run.cfg.max_steps, processes=run.processes)
     run.status_at = time.monotonic()
+
+
+def _stop_with_the_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a launcher killed outright (SIGKILL, the OOM
+    killer) would leave its ranks training on, holding the run folder. On Linux the kernel is asked to send
+    this rank SIGTERM when its parent dies, which stops it as any SIGTERM does (status 'killed')."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
 def _raise_killed(signum, frame):

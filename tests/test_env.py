@@ -41,7 +41,8 @@ PIP_BLOCK = next(d["pip"] for d in yaml.safe_load((REPO / "environment.yml").rea
                  if isinstance(d, dict))
 # The stacks blunb is tested on, with the triton PyPI's CUDA torch pins for Linux (ARCHITECTURE.md, Machines).
 TESTED_PAIRS = {"2.11.0": "3.6.0", "2.13.0": "3.7.1"}
-SCRIPTS = {"blunb-train": "blunb.train:main", "blunb-data": "blunb.data:main", "blunb-study": "blunb.study:main"}
+SCRIPTS = {"blunb-train": "blunb.train:main", "blunb-data": "blunb.data:main", "blunb-study": "blunb.study:main",
+           "blunb-ckpt": "blunb.ckpt_cli:main"}
 
 
 def makefile_default(name: str) -> str:

@@ -54,6 +54,9 @@ def test_a_fitting_run_logs_its_estimate_and_cuda_only_warns(monkeypatch):
 
 def test_the_estimate_is_not_below_what_a_real_run_takes(tmp_path):
     """A tiny run on the CPU, one rank: its own peak resident memory against the estimate (which errs high)."""
+    from blunb.data import ensure_default_corpus
+
+    ensure_default_corpus(progress=False)  # preparing the corpus in the run's process would count its memory too
     script = ("import resource, sys; from blunb.train import main\n"
               "try:\n    main(sys.argv[1:])\n"
               "finally:\n    print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")

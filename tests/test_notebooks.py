@@ -53,7 +53,8 @@ def test_notebook_runs_and_checked_outputs_match(notebook, tmp_path):
     env = {**os.environ, "BLUNB_RESULTS": str(tmp_path), "PYTHONUNBUFFERED": "1", OUTPUT_LOG: str(output_log),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.test_notebooks",
-                           "--nbval-lax", "--nbval-cell-timeout=900", str(REPO / "notebooks" / notebook)],
+                           "--nbval-lax", "--nbval-cell-timeout=900", "--timeout=900",
+                           str(REPO / "notebooks" / notebook)],
                           capture_output=True, text=True, env=env, cwd=REPO / "notebooks", timeout=1700)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     study, files = PRODUCTS.get(notebook, (None, []))

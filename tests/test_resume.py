@@ -50,7 +50,8 @@ def _run(nproc, run_dir, overrides, *extra, check=True):
 
 
 def _run_and_kill_after(nproc, run_dir, overrides, checkpoint_step):
-    """Start the run and SIGKILL every process of it once checkpoints/step_<N> exists."""
+    """Start the run and SIGKILL the launcher's process group once checkpoints/step_<N> exists (torchrun's
+    ranks, in sessions of their own, stop with it: SIGTERM on their parent's death)."""
     proc = subprocess.Popen(_cmd(nproc, run_dir, overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=_env(), cwd=REPO, start_new_session=True)
     target = run_dir / "checkpoints" / f"step_{checkpoint_step}"

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 import blunb.study
-from blunb.runs import LOCK_NAME, FolderInUse, FolderLock, read_status
+from blunb.launch import torchrun_command
+from blunb.runs import LOCK_NAME, FolderInUse, FolderLock, process_alive, read_status
 from blunb.study import Study
 from tests.distributed import REPO
 
@@ -134,6 +135,29 @@ def test_overwrite_cannot_move_a_live_runs_files(tmp_path):
         live.send_signal(signal.SIGTERM)
         live.communicate(timeout=120)
     assert read_status(run_dir)["state"] == "killed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ranks_stop_and_free_the_folder_when_their_launcher_is_killed_outright(tmp_path):
+    """torchrun starts its ranks in sessions of their own: a SIGKILL of torchrun alone must not leave them
+    training on, holding the folder (each asks for SIGTERM on its parent's death)."""
+    run_dir = tmp_path / "r"
+    cmd = torchrun_command(["-m", "blunb.train", "--preset", "tiny", "--max-steps", "100000", "--run-dir",
+                            str(run_dir), "--set", "val_freq=100000"], 2)
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    try:
+        _wait_for(lambda: (run_dir / "metrics.csv").is_file()
+                  and len((run_dir / "metrics.csv").read_text().splitlines()) > 2, "the run's steps", proc=launcher)
+        ranks = read_status(run_dir)["processes"]
+        assert len(ranks) == 2
+    finally:
+        launcher.kill()
+        launcher.communicate(timeout=60)
+    _wait_for(lambda: not (run_dir / LOCK_NAME).exists(), "the ranks to let go of the folder", timeout=120)
+    status = read_status(run_dir)
+    assert status["state"] == "killed" and status["signal"] == "SIGTERM", status
+    _wait_for(lambda: not any(process_alive(r) for r in ranks), "the ranks to exit", timeout=60)
 
 
 @pytest.mark.slow
