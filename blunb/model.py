@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from blunb import kernels
 from blunb.config import BF16_STAGES, ModelConfig
-from blunb.kernels.linear_cross_entropy import linear_cross_entropy
+from blunb.kernels import linear_cross_entropy
 
 
 def _linear_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:

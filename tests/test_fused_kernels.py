@@ -169,3 +169,71 @@ def test_qk_norm_rope_strided_grad_output():
     want = _grads((qo_ref, ko_ref), (q, k, qg, kg), (dqo, dko))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL_SUM[torch.float32])
+
+
+# ---------------------------------------------------------------- adamw (ZeRO-1 shard update)
+
+# (length, decays) per parameter: 129 and 300 end one and 44 elements into a block of the interpreter's
+# 128, 1 and 127 are shorter than one; decay on and off.
+ADAMW_PARAMS = ((300, True), (1, False), (129, True), (127, False))
+ADAMW_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _adamw_inputs(grad_dtype, param_dtype, found_inf=0.0):
+    """A rank's shard: each parameter's segment with padding between segments (shard and flat), the flat
+    range starting off zero, as ShardedAdamW lays them out; per-parameter step counts from 1 (the largest
+    bias correction) up."""
+    segments, shard_at, flat_at = [], 0, 7
+    for i, (n, decays) in enumerate(ADAMW_PARAMS):
+        segments.append((shard_at, flat_at, n, i, decays))
+        shard_at, flat_at = shard_at + n + 3, flat_at + n + 5
+    master = torch.randn(shard_at)
+    state = dict(master=master, exp_avg=0.1 * torch.randn(shard_at), exp_avg_sq=0.01 * torch.rand(shard_at),
+                 grad=torch.randn(flat_at).to(grad_dtype), param=torch.randn(flat_at).to(param_dtype),
+                 steps=torch.tensor([1.0, 2.0, 10.0, 1000.0]))
+    scalars = dict(grad_scale=torch.tensor(2.0), found_inf=torch.tensor(found_inf))
+    return segments, state, scalars
+
+
+def _adamw_step(backend, segments, state, scalars):
+    out = {k: v.clone() for k, v in state.items()}
+    kernels.adamw_update_(out["master"], out["exp_avg"], out["exp_avg_sq"], out["grad"], out["param"],
+                          out["steps"], kernels.adamw_block_table(segments, "cpu"), **ADAMW_HYPER, **scalars,
+                          backend=backend)
+    return out
+
+
+@pytest.mark.parametrize("grad_dtype, param_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                     (torch.float16, torch.float32)])
+def test_adamw_update(grad_dtype, param_dtype):
+    segments, state, scalars = _adamw_inputs(grad_dtype, param_dtype)
+    got, want = _adamw_step("triton", segments, state, scalars), _adamw_step("torch", segments, state, scalars)
+    # The moments are the same fp32 formula per element (measured: equal; a few ulps allowed). The master:
+    # the kernel forms the bias corrections as exp(t log b), the reference as b ** t, ulps of b^t apart,
+    # which 1 - b^t magnifies at t = 1 (by 1 / (1 - b2) = 20) and the square root halves: the step agrees
+    # to ~1e-6 of its size (allowed: 1e-5). Each side also rounds its three fp32 operations on the old
+    # value: 4 ulps (2^-21) of |p_old|, not of the new value, which cancellation can bring near zero.
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=0, msg=name)
+    p_old = state["master"]
+    bound = 2**-21 * p_old.abs() + 1e-5 * (want["master"] - p_old).abs()
+    assert ((got["master"] - want["master"]).abs() <= bound).all()
+    touched = torch.zeros_like(state["master"], dtype=torch.bool)
+    flat_touched = torch.zeros_like(state["param"], dtype=torch.bool)
+    for s0, f0, n, _, _ in segments:
+        touched[s0:s0 + n], flat_touched[f0:f0 + n] = True, True
+    for out in (got, want):
+        # the weights are the master rounded to their dtype; padding is never written
+        assert torch.equal(out["param"][flat_touched], out["master"][touched].to(param_dtype))
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(out[name][~touched], state[name][~touched]), name
+            assert not torch.equal(out[name][touched], state[name][touched]), name
+        assert torch.equal(out["param"][~flat_touched], state["param"][~flat_touched])
+
+
+def test_adamw_update_skips_the_step_on_found_inf():
+    segments, state, scalars = _adamw_inputs(torch.float32, torch.float16, found_inf=1.0)
+    for backend in ("triton", "torch"):
+        out = _adamw_step(backend, segments, state, scalars)
+        for name, t in state.items():
+            assert torch.equal(out[name], t), (backend, name)

@@ -147,3 +147,51 @@ def test_qk_norm_rope_bf16(B, Hq, Hk, T, hd, interleaved, layout, dlayout):
     qo, ko = fused(q, k, qg, kg)
     if layout != "sliced":  # dense inputs go through in their own layout, without a copy
         assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+@pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16], ids=["fp32_logits", "bf16_logits"])
+def test_linear_cross_entropy_bf16(logit_dtype):
+    """The chunked lm_head + loss (kernels.linear_cross_entropy's Triton backend) against its unchunked
+    reference: N = 2 chunks + 17 (the last one partial), V and d no multiples of a block."""
+    N, d, V, chunk = 2 * 1024 + 17, 520, 32001, 1024
+    x = torch.randn(N, d, device=DEV).bfloat16()
+    w = (0.05 * torch.randn(V, d, device=DEV)).bfloat16()
+    targets = torch.randint(0, V, (N,), device=DEV)
+    targets[::97] = -100
+    _compare("linear_cross_entropy",
+             lambda a, b, t: kernels.linear_cross_entropy(a, b, t, logit_dtype=logit_dtype, chunk_tokens=chunk,
+                                                          backend="triton"),
+             lambda a, b, t: ref.linear_cross_entropy(a, b, t, logit_dtype=logit_dtype), [x, w, targets], None)
+
+
+def test_adamw_update_bf16():
+    """The fused ZeRO-1 shard update with bf16 gradient and weights against reference.adamw_update_, at the
+    GPU's 4096-element blocks: segments ending one element into a block, one short of it, a single element.
+    The same bars as under the interpreter (tests/test_fused_kernels.py, where they are derived); the bf16
+    weights are exactly each side's master rounded."""
+    lengths = (3 * 4096 + 1, 1, 4095, 4097)
+    segments, shard_at, flat_at = [], 0, 11
+    for i, n in enumerate(lengths):
+        segments.append((shard_at, flat_at, n, i, n > 1))
+        shard_at, flat_at = shard_at + n + 3, flat_at + n + 5
+    state = dict(master=torch.randn(shard_at, device=DEV), exp_avg=0.1 * torch.randn(shard_at, device=DEV),
+                 exp_avg_sq=0.01 * torch.rand(shard_at, device=DEV),
+                 grad=torch.randn(flat_at, device=DEV).bfloat16(), param=torch.zeros(flat_at, device=DEV).bfloat16(),
+                 steps=torch.tensor([1.0, 2.0, 10.0, 1000.0], device=DEV))
+    table = kernels.adamw_block_table(segments, DEV)
+    outs = {}
+    for backend in ("triton", "torch"):
+        out = {k: v.clone() for k, v in state.items()}
+        kernels.adamw_update_(out["master"], out["exp_avg"], out["exp_avg_sq"], out["grad"], out["param"],
+                              out["steps"], table, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                              grad_scale=torch.tensor(2.0, device=DEV), found_inf=torch.tensor(0.0, device=DEV),
+                              backend=backend)
+        for s0, f0, n, _, _ in segments:
+            assert torch.equal(out["param"][f0:f0 + n], out["master"][s0:s0 + n].bfloat16())
+        outs[backend] = out
+    got, want = outs["triton"], outs["torch"]
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=0, msg=name)
+    p_old = state["master"]
+    bound = 2**-21 * p_old.abs() + 1e-5 * (want["master"] - p_old).abs()
+    assert ((got["master"] - want["master"]).abs() <= bound).all()

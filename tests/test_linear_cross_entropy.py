@@ -1,19 +1,20 @@
-"""kernels/linear_cross_entropy.py against the unchunked path it replaces, and BLU with chunked_ce on.
+"""kernels.linear_cross_entropy (both backends: kernels/chunked_ce.py, fused/linear_cross_entropy.py) against
+the unchunked path it replaces, and BLU with chunked_ce on.
 
-The reference is what BLU.forward runs without chunked_ce: F.linear in weight's dtype, .to(logit_dtype),
-then the loss of kernels.cross_entropy (its torch reference), gradients by autograd through all three.
-Shapes are odd on purpose: N=37 is no multiple of the chunk, V=97 and d=24 no multiple of anything.
+The reference (reference.linear_cross_entropy) is what BLU.forward runs without chunked_ce: F.linear in
+weight's dtype, .to(logit_dtype), then the loss of kernels.cross_entropy's torch reference, gradients by
+autograd through all three. Shapes are odd on purpose: N=37 is no multiple of the chunk, V=97 and d=24 no
+multiple of anything.
 """
+
+import importlib.util
 
 import pytest
 import torch
 import torch._dynamo
-import torch.nn.functional as F
 
 from blunb.config import apply_overrides, preset
-from blunb.kernels import linear_cross_entropy as lce
-from blunb.kernels import reference
-from blunb.kernels.linear_cross_entropy import linear_cross_entropy
+from blunb.kernels import chunked_ce, linear_cross_entropy, reference
 from blunb.model import BLU
 
 N, V, D = 37, 97, 24
@@ -35,8 +36,7 @@ def loss_and_grads(fn, x, w, targets, **kw):
     return loss.detach(), x.grad, w.grad
 
 
-def unchunked(x, w, targets, logit_dtype=torch.float32):
-    return reference.cross_entropy(F.linear(x, w).to(logit_dtype), targets)
+unchunked = reference.linear_cross_entropy
 
 
 def assert_matches_unchunked(x, w, targets, logit_dtype, chunk_tokens, backend="torch"):
@@ -83,8 +83,7 @@ def test_the_fused_chunks_match_the_unchunked_path(chunk_tokens):
     targets[targets == -100] = 5
     with torch.no_grad():
         loss = linear_cross_entropy(x, w, targets, ignore_index=5, chunk_tokens=chunk_tokens, backend="triton")
-    torch.testing.assert_close(loss, reference.cross_entropy(F.linear(x, w), targets, ignore_index=5),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, unchunked(x, w, targets, ignore_index=5), rtol=1e-5, atol=0)
 
 
 def test_the_incoming_grad_scales_both_gradients():
@@ -108,20 +107,19 @@ def test_a_custom_ignore_index():
     x, w, targets = inputs(torch.float32)
     targets[targets == -100] = 5
     loss = linear_cross_entropy(x, w, targets, ignore_index=5, chunk_tokens=8)
-    ref = reference.cross_entropy(F.linear(x, w), targets, ignore_index=5)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, unchunked(x, w, targets, ignore_index=5), rtol=1e-5, atol=0)
 
 
 def test_gradient_work_only_when_some_input_needs_it(monkeypatch):
     x, w, targets = inputs(torch.float32)
     seen = []
-    real = lce.linear_cross_entropy_fwd
+    real = chunked_ce.linear_cross_entropy_fwd
 
     def spy(*args):
         seen.append(args[-2])  # has_grad
         return real(*args)
 
-    monkeypatch.setattr(lce, "linear_cross_entropy_fwd", spy)
+    monkeypatch.setattr(chunked_ce, "linear_cross_entropy_fwd", spy)
     with torch.no_grad():  # validation
         loss = linear_cross_entropy(x, w, targets, chunk_tokens=8)
     linear_cross_entropy(x.detach(), w.detach(), targets, chunk_tokens=8)
@@ -130,6 +128,21 @@ def test_gradient_work_only_when_some_input_needs_it(monkeypatch):
     torch.testing.assert_close(loss, unchunked(x, w, targets), rtol=1e-5, atol=0)
     _, grad_x, grad_w = real(x.detach(), w.detach(), targets, -100, torch.float32, 8, False, False)
     assert grad_x.numel() == grad_w.numel() == 0  # nothing [N, d] or [V, d] is made for eval
+
+
+def test_the_backend_follows_the_ops_own_kernels_entry(monkeypatch):
+    """BLUNB_KERNELS' linear_cross_entropy entry picks the chunks' backend (not cross_entropy's): triton runs
+    the fused chunk step (here under the interpreter, fp32), torch the plain one."""
+    pytest.importorskip("triton")
+    x, w, targets = inputs(torch.float32)
+    seen = []
+    real = chunked_ce.linear_cross_entropy_fwd
+    monkeypatch.setattr(chunked_ce, "linear_cross_entropy_fwd", lambda *args: seen.append(args[-1]) or real(*args))
+    for spec in ("linear_cross_entropy=triton", "cross_entropy=triton", "linear_cross_entropy=torch"):
+        monkeypatch.setenv("BLUNB_KERNELS", spec)
+        torch.testing.assert_close(linear_cross_entropy(x, w, targets, chunk_tokens=16), unchunked(x, w, targets),
+                                   rtol=1e-5, atol=0)
+    assert seen == [True, False, False]
 
 
 def test_bad_shapes_and_dtypes_are_errors():
@@ -150,7 +163,7 @@ def test_the_custom_op_passes_opcheck(dtype):
     op = torch.ops.blunb.linear_cross_entropy_fwd
     torch.library.opcheck(op, (x, w, targets, -100, torch.float32, 8, True, False))
     torch.library.opcheck(op, (x.detach(), w.detach(), targets, -100, torch.bfloat16, 64, False, False))
-    if dtype == torch.float32 and lce.kernels._fused("cross_entropy") is not None:   # the interpreter: fp32
+    if dtype == torch.float32 and importlib.util.find_spec("triton") is not None:   # the interpreter: fp32
         torch.library.opcheck(op, (x, w, targets, -100, torch.float32, 8, True, True))
 
 
@@ -177,7 +190,7 @@ def test_blu_with_chunked_ce_matches_the_plain_model(overrides, monkeypatch):
     output GEMM's). fp32 throughout, so the bar is fp32 reordering; bf16_logits rounds d logits to bf16
     in both paths, and a value on a rounding boundary may land one bf16 ulp apart, hence its floor
     (measured: 1e-5 of the largest entry)."""
-    monkeypatch.setattr(lce, "CHUNK_TOKENS", 16)
+    monkeypatch.setattr(chunked_ce, "CHUNK_TOKENS", 16)
     plain, chunked = tiny_pair(*overrides)
     idx, targets = batch()
     logits, loss_p = plain(idx, targets)

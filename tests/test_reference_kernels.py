@@ -90,8 +90,9 @@ def test_a_per_op_backend_setting_forces_only_the_ops_it_names(monkeypatch):
     # on the CPU auto is the reference; the forced op runs its Triton kernel (the interpreter, fp32 exact enough)
     logits, targets = torch.randn(5, 40), torch.randint(0, 40, (5,))
     torch.testing.assert_close(kernels.cross_entropy(logits, targets), reference.cross_entropy(logits, targets))
-    assert kernels._resolve("cross_entropy", None, logits, ()) == "triton"
-    assert kernels._resolve("swiglu", None, logits, ()) == "torch"
+    assert kernels.backend_for("cross_entropy", logits, targets) == "triton"
+    assert kernels.backend_for("swiglu", logits) == "torch"
+    assert kernels.backend_for("cross_entropy", logits, targets, backend="torch") == "torch"  # the argument wins
 
 
 def test_a_kernel_that_is_never_the_auto_choice_is_described_as_torch(monkeypatch):
@@ -103,9 +104,59 @@ def test_a_kernel_that_is_never_the_auto_choice_is_described_as_torch(monkeypatc
     monkeypatch.setenv("BLUNB_KERNELS", "auto")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     x = torch.randn(3, 8)
-    assert kernels._resolve("rms_norm", None, x, ()) == "torch"
-    assert kernels._resolve("swiglu", None, x, ()) == "triton"
-    assert kernels._resolve("rms_norm", "triton", x, ()) == "triton"
+    assert kernels.backend_for("rms_norm", x) == "torch"
+    assert kernels.backend_for("swiglu", x) == "triton"
+    assert kernels.backend_for("rms_norm", x, backend="triton") == "triton"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     described = kernels.describe("cuda")
     assert described["rms_norm"] == "torch" and described["swiglu"] == "triton"
+
+
+def test_the_run_log_says_what_a_call_on_cuda_runs(monkeypatch):
+    """describe("cuda") against backend_for on a CUDA tensor, op by op, auto and forced: "triton-or-torch" only
+    for the ops whose fused module decides per shape (prefer), each other op exactly what its calls take."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.randn(4, 8)
+    for spec in ("auto", "torch", "triton", "adamw=torch,linear_cross_entropy=torch"):
+        monkeypatch.setenv("BLUNB_KERNELS", spec)
+        described = kernels.describe("cuda")
+        assert set(described) == set(kernels.OPS)
+        for op in kernels.OPS:
+            if described[op] == "triton-or-torch (per shape)":
+                assert kernels.parse_backends(spec)[op] is None and op in ("flash_attention", "syrk")
+            else:
+                assert described[op] == kernels.backend_for(op, x), (spec, op)
+    monkeypatch.setenv("BLUNB_KERNELS", "auto")
+    described = kernels.describe("cuda")
+    assert described["adamw"] == described["linear_cross_entropy"] == "triton" and described["rms_norm"] == "torch"
+
+
+def test_adamw_reference_is_torchs_fused_adamw():
+    """reference.adamw_update_ (the spec of kernels/fused/adamw.py) against torch._fused_adamw_ per segment,
+    which ShardedAdamW runs with kernels=adamw=torch: equal to fp32 rounding (torch forms the bias
+    corrections in double and updates in another order: ulps apart, 1e-6 relative). A table of one block
+    per segment, the torch backend's need (no triton here); fp16 grads and weights (the reduce dtype)."""
+    segments = [(0, 3, 37, 0, True), (40, 45, 1, 1, False), (41, 50, 130, 2, True)]  # gaps: padding
+    n_shard, n_flat = 171, 180
+    master, m, v = torch.randn(n_shard), 0.1 * torch.randn(n_shard), 0.01 * torch.rand(n_shard)
+    grad, param = torch.randn(n_flat).half(), torch.zeros(n_flat).half()
+    steps = torch.tensor([1.0, 5.0, 300.0])
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+    grad_scale, found_inf = torch.tensor(2.0), torch.tensor(0.0)
+    table = {"shard": torch.tensor([s[0] for s in segments]), "flat": torch.tensor([s[1] for s in segments]),
+             "len": torch.tensor([s[2] for s in segments], dtype=torch.int32),
+             "param": torch.tensor([s[3] for s in segments], dtype=torch.int32),
+             "decays": torch.tensor([s[4] for s in segments], dtype=torch.int8)}
+    got = [t.clone() for t in (master, m, v, param)]
+    kernels.adamw_update_(got[0], got[1], got[2], grad, got[3], steps, table, **hyper, weight_decay=0.1,
+                          grad_scale=grad_scale, found_inf=found_inf)
+    want = [t.clone() for t in (master, m, v)]
+    for s0, f0, n, i, decays in segments:
+        seg = [t[s0:s0 + n] for t in want]
+        torch._fused_adamw_([seg[0]], [grad[f0:f0 + n].float()], [seg[1]], [seg[2]], [], [steps[i].clone()],
+                            **hyper, weight_decay=0.1 if decays else 0.0, amsgrad=False, maximize=False,
+                            grad_scale=grad_scale, found_inf=found_inf)
+        assert torch.equal(got[3][f0:f0 + n], got[0][s0:s0 + n].half())  # the weights: the master rounded
+    for a, b in zip(got[:3], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

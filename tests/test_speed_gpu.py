@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from blunb.config import apply_overrides, preset
-from blunb.kernels import reference
-from blunb.kernels.linear_cross_entropy import linear_cross_entropy
+from blunb.kernels import linear_cross_entropy, reference
 
 pytestmark = pytest.mark.gpu
 

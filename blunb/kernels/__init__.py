@@ -6,8 +6,11 @@ shape), else the torch reference; a module with `AUTO = False` is never the auto
 kernel runs only when forced). `BLUNB_KERNELS=torch|triton` forces one for A/B, for every op or,
 as `op=backend,...` (e.g. `swiglu=torch,qk_norm_rope=torch`), per op (the others stay auto).
 The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
-exposing a function named like the op. On a machine without CUDA, Triton kernels
-run under the interpreter (TRITON_INTERPRET=1, set here before Triton is imported).
+exposing a function named like the op; `reference.py` holds each op's plain-torch spec, which is
+also its torch backend except for linear_cross_entropy (both its backends chunk: chunked_ce.py).
+On a machine without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1, set here
+before Triton is imported). Code outside this package asks `backend_for(op, *args)` which backend a
+call would take; the dispatcher's own names (leading underscore) are not for it.
 
 Under torch's deterministic mode (torch.use_deterministic_algorithms(True): the trainer's
 deterministic=true) nothing here depends on a timing: every autotuned kernel launches one fixed
@@ -30,14 +33,16 @@ import os
 
 import torch
 
-from blunb.kernels import reference
+from blunb.kernels import chunked_ce, reference
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BACKENDS = (None, "torch", "triton")
-# syrk serves Muon's Newton-Schulz and adamw ShardedAdamW's shard update (blunb/optim): no model op
-OPS = ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "syrk", "adamw")
+# linear_cross_entropy is the model's lm_head + loss with model.chunked_ce; syrk serves Muon's
+# Newton-Schulz and adamw ShardedAdamW's shard update (blunb/optim): no model ops
+OPS = ("rms_norm", "qk_norm_rope", "flash_attention", "swiglu", "cross_entropy", "linear_cross_entropy", "syrk",
+       "adamw")
 
 
 def _import_fused(op: str):
@@ -80,19 +85,30 @@ def forced_backend(op: str) -> str | None:
     return parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))[op]
 
 
+def _auto_module(op: str, on_cuda: bool):
+    """The fused module the auto backend may pick for `op` (CUDA only, and not a module with AUTO = False),
+    else None: what _resolve and describe both go by."""
+    mod = _fused(op) if on_cuda else None
+    return mod if getattr(mod, "AUTO", True) else None
+
+
 def _resolve(op: str, backend: str | None, x: torch.Tensor, args) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     backend = backend or forced_backend(op)
     if backend is None:
-        mod = _fused(op) if x.is_cuda else None
-        if not getattr(mod, "AUTO", True):
-            return "torch"
+        mod = _auto_module(op, x.is_cuda)
         prefer = getattr(mod, "prefer", None)
         return "triton" if mod is not None and (prefer is None or prefer(*args)) else "torch"
     if backend == "triton" and _fused(op) is None:
         raise NotImplementedError(f"kernels.{op}: no Triton implementation yet; use backend='torch'")
     return backend
+
+
+def backend_for(op: str, *args, backend: str | None = None) -> str:
+    """"torch" or "triton": the backend kernels.<op>(*args, backend=backend) runs (args: the op's own, the
+    first a tensor), for callers that pick their own path by it (ShardedAdamW's shard update)."""
+    return _resolve(op, backend, args[0], args)
 
 
 def _call(op: str, backend: str | None, *args):
@@ -125,23 +141,53 @@ def cross_entropy(logits, targets, ignore_index: int = -100, backend: str | None
     return _call("cross_entropy", backend, logits, targets, ignore_index)
 
 
+def linear_cross_entropy(x, weight, targets, ignore_index: int = -100, logit_dtype: torch.dtype = torch.float32,
+                         chunk_tokens: int | None = None, backend: str | None = None):
+    """fp32 mean cross-entropy of (x [N, d] @ weight [V, d]^T).to(logit_dtype) against targets [N]
+    (reference.linear_cross_entropy) without the [N, V] logits: both backends walk the tokens in chunks of
+    chunk_tokens (None: chunked_ce.CHUNK_TOKENS), the torch one in plain torch (chunked_ce.py)."""
+    if _resolve("linear_cross_entropy", backend, x, ()) == "triton":
+        return _fused("linear_cross_entropy").linear_cross_entropy(x, weight, targets, ignore_index, logit_dtype,
+                                                                   chunk_tokens)
+    return chunked_ce.linear_cross_entropy(x, weight, targets, ignore_index, logit_dtype, chunk_tokens)
+
+
 def syrk(x, backend: str | None = None):
     return _call("syrk", backend, x)
 
 
+def adamw_block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict[str, torch.Tensor]:
+    """adamw_update_'s block table for segments (shard offset, flat offset, length, parameter index, decays),
+    split into the fused kernel's blocks (each inside one segment; the torch backend reads any such table)."""
+    if _fused("adamw") is None:
+        raise NotImplementedError("kernels.adamw_block_table: no Triton AdamW kernel here (triton is missing)")
+    return _fused("adamw").block_table(segments, device)
+
+
+def adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, *, lr: float, beta1: float,
+                  beta2: float, eps: float, weight_decay: float, grad_scale, found_inf, backend: str | None = None):
+    """One AdamW step in place over a ZeRO-1 shard (reference.adamw_update_ says what, fused/adamw.py how):
+    the fp32 master and moments from the flat gradient, the flat weights from the master. The op is "adamw"
+    (BLUNB_KERNELS' key) and, in place, named like its modules' function."""
+    impl = reference if _resolve("adamw", backend, master, ()) == "torch" else _fused("adamw")
+    impl.adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, lr=lr, beta1=beta1, beta2=beta2,
+                       eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, found_inf=found_inf)
+
+
 def describe(device) -> dict[str, str]:
-    """The backend each op will use on `device` (for the run log): torch, triton, or
-    triton-or-torch where the fused module decides per shape (its `prefer`); under torch's
+    """The backend each op will use on `device` (for the run log), decided as a call decides it: torch,
+    triton, or triton-or-torch where the fused module's `prefer` decides per shape; under torch's
     deterministic mode a Triton kernel is "triton (fixed config)" and a per-shape choice says
     what it is then (the module's DETERMINISTIC_CHOICE)."""
     backends = parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))
     fixed = torch.are_deterministic_algorithms_enabled()
     out = {}
     for op in OPS:
-        mod, forced = _fused(op), backends[op]
+        forced = backends[op]
+        mod = _auto_module(op, torch.device(device).type == "cuda")
         if forced:
-            out[op] = forced if (forced == "torch" or mod is not None) else "torch (no triton kernel)"
-        elif torch.device(device).type != "cuda" or mod is None or not getattr(mod, "AUTO", True):
+            out[op] = forced if (forced == "torch" or _fused(op) is not None) else "triton (no kernel here: it raises)"
+        elif mod is None:
             out[op] = "torch"
         elif hasattr(mod, "prefer"):
             out[op] = mod.DETERMINISTIC_CHOICE if fixed else "triton-or-torch (per shape)"

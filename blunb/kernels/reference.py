@@ -93,3 +93,46 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 def syrk(x: torch.Tensor) -> torch.Tensor:
     """x @ x.mT for [m, n] or [b, m, n]."""
     return x @ x.mT
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         logit_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """cross_entropy of (x [N, d] @ weight [V, d]^T).to(logit_dtype): the GEMM in weight's dtype, its logits
+    rounded to logit_dtype, the loss in fp32. The spec only: it makes the [N, V] logits that
+    kernels.linear_cross_entropy's backends (both chunked, kernels/chunked_ce.py) never hold whole."""
+    return cross_entropy(F.linear(x, weight).to(logit_dtype), targets, ignore_index)
+
+
+def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                  param: torch.Tensor, steps: torch.Tensor, table: dict[str, torch.Tensor], *, lr: float,
+                  beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: torch.Tensor,
+                  found_inf: torch.Tensor) -> None:
+    """One AdamW step (torch._fused_adamw_'s ADAMW math, in fp32) in place over the blocks of `table`.
+
+    Each block (table["shard"], ["flat"], ["len"], ["param"], ["decays"]: one entry per block) is a run of
+    `len` elements of one parameter, at `shard` in the fp32 1-D master / exp_avg / exp_avg_sq and at `flat`
+    in the 1-D grad (any float dtype) and param (its dtype gets master's rounding). With
+    g = grad / grad_scale, t = steps[param] (already advanced) and wd = weight_decay where the block decays:
+    p -= lr * wd * p; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+    p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps); param = p. Nothing is written when
+    found_inf is nonzero (grad_scale, found_inf: 0-dim fp32 tensors)."""
+    lens = table["len"].long()
+    shard = torch.repeat_interleave(table["shard"], lens)
+    flat = torch.repeat_interleave(table["flat"], lens)
+    within = torch.arange(shard.numel(), device=shard.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    shard, flat = shard + within, flat + within
+    step = steps[torch.repeat_interleave(table["param"].long(), lens)]
+    wd = weight_decay * torch.repeat_interleave(table["decays"], lens).float()
+    g = grad[flat].float() / grad_scale
+    p, m, v = master[shard], exp_avg[shard], exp_avg_sq[shard]
+    p = p - lr * wd * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = (1.0 - beta2 ** step).sqrt()
+    p = p - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps)
+    skip = found_inf != 0
+    master[shard] = torch.where(skip, master[shard], p)
+    exp_avg[shard] = torch.where(skip, exp_avg[shard], m)
+    exp_avg_sq[shard] = torch.where(skip, exp_avg_sq[shard], v)
+    param[flat] = torch.where(skip, param[flat], p.to(param.dtype))

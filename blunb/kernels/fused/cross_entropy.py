@@ -81,7 +81,7 @@ def loss_rows_and_grad_(logits: torch.Tensor, targets: torch.Tensor, n_valid: to
                         has_grad: bool) -> torch.Tensor:
     """Each row's loss (fp32 [N], 0 on ignored rows); with has_grad, d loss / d logits of the mean over
     n_valid rows (a device scalar: rows of a larger batch) overwrites the logits in place (each program
-    reads a block before writing it). For callers that own the buffer: kernels/linear_cross_entropy.py."""
+    reads a block before writing it). For callers that own the buffer: fused/linear_cross_entropy.py."""
     if logits.stride(1) != 1:
         raise ValueError("loss_rows_and_grad_ needs logits with unit stride along V")
     N, V = logits.shape

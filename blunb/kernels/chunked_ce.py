@@ -1,4 +1,5 @@
-"""lm_head GEMM + cross-entropy in token chunks: the [N, V] logits and their gradient never exist whole.
+"""kernels.linear_cross_entropy's chunking: lm_head GEMM + cross-entropy in token chunks, so the [N, V] logits
+and their gradient never exist whole.
 
 The unchunked path keeps the logits (in logit_dtype) for backward and then makes a gradient of the
 same size: at 1b (B8 x T2048 = 16384 tokens, V 50304) that is 2 x 3.3 GB in fp32. Here forward walks
@@ -9,22 +10,25 @@ and runs both backward GEMMs on it, so only grad_x [N, d] and grad_weight [V, d]
 scales them by the incoming grad. The loss is the mean over non-ignored targets, 0.0 (not NaN) when
 every target is ignored, like kernels.cross_entropy.
 
-On CUDA (the cross_entropy op's Triton backend) each chunk's softmax, loss and gradient are the fused
-cross-entropy kernel, run in place over the GEMM's output: two reads and one write of the chunk's
-logits in their own dtype instead of eight fp32 passes. The values are the plain path's: the kernel
-computes in fp32 from logits that are the GEMM's output either way (an upcast of bf16 logits to fp32
-changes none of them), and rounds the gradient once to the GEMM's dtype, as the plain path's cast does.
-The plain torch path runs everywhere else. The forward is a torch.library custom op with a fake
-implementation and registered autograd (why: blunb/kernels/__init__.py): torch.compile keeps it one
-opaque node, so Inductor cannot re-materialize the logits it exists to avoid.
+Both backends of the op run these chunks. In the Triton one (fused/linear_cross_entropy.py) each chunk's
+softmax, loss and gradient are the fused cross-entropy kernel, run in place over the GEMM's output: two
+reads and one write of the chunk's logits in their own dtype instead of eight fp32 passes. The values are
+the plain path's: the kernel computes in fp32 from logits that are the GEMM's output either way (an upcast
+of bf16 logits to fp32 changes none of them), and rounds the gradient once to the GEMM's dtype, as the
+plain path's cast does. The torch one computes each chunk in plain torch (on the CPU, and with
+kernels=linear_cross_entropy=torch), not through reference.linear_cross_entropy, the spec, which makes the
+whole logits. This module needs no triton (the fused chunk step is imported only when asked for), so the
+plain chunks run where triton has no wheel.
+
+The forward is a torch.library custom op with a fake implementation and registered autograd (why:
+blunb/kernels/__init__.py): torch.compile keeps it one opaque node, so Inductor cannot re-materialize the
+logits it exists to avoid.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from blunb import kernels
 
 # 4096 tokens x V 50304: on CUDA one bf16 buffer (0.4 GB: the GEMM's output, overwritten by its
 # gradient); the plain path adds the chunk's fp32 copy (0.8 GB); against 6.6 GB for 1b's whole fp32
@@ -45,6 +49,8 @@ def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, targets: tor
     valid = targets != ignore_index
     n_valid = valid.sum().clamp(min=1)
     loss_sum = x.new_zeros((), dtype=torch.float32)
+    if fused:  # imported here: that module needs triton, which the plain chunks must not
+        from blunb.kernels.fused.linear_cross_entropy import chunk_loss_
     if has_grad:
         row_scale = valid / n_valid  # fp32; 0 on ignored rows: they get no gradient
         grad_x = torch.empty((N, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -55,11 +61,9 @@ def linear_cross_entropy_fwd(x: torch.Tensor, weight: torch.Tensor, targets: tor
         e = min(s + chunk_tokens, N)
         x_c = x[s:e]
         if fused:
-            z = F.linear(x_c, weight)
-            if z.dtype.itemsize > logit_dtype.itemsize:
-                z = z.to(logit_dtype)  # the bf16_logits stage's rounding; a widening cast would change nothing
-            loss_sum += kernels._fused("cross_entropy").loss_rows_and_grad_(
-                z, targets[s:e], n_valid, ignore_index, has_grad).sum()
+            chunk_loss, z = chunk_loss_(F.linear(x_c, weight), targets[s:e], n_valid, ignore_index, logit_dtype,
+                                        has_grad)
+            loss_sum += chunk_loss
             if has_grad:
                 _backward_gemms(z, x_c, weight, grad_x[s:e], grad_w)
             continue
@@ -118,10 +122,9 @@ linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_conte
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          logit_dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None,
-                         backend: str | None = None) -> torch.Tensor:
-    """fp32 mean cross-entropy of (x [N, d] @ weight [V, d]^T).to(logit_dtype) against targets [N]:
-    kernels.cross_entropy(F.linear(x, weight).to(logit_dtype), targets), without the [N, V] logits.
-    chunk_tokens=None: CHUNK_TOKENS, read at call time. backend: the cross_entropy op's (kernels)."""
+                         fused: bool = False) -> torch.Tensor:
+    """kernels.linear_cross_entropy's chunks (its arguments, chunk_tokens=None: CHUNK_TOKENS, read at call
+    time); fused: each chunk's loss and gradient by the Triton cross-entropy kernel."""
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or targets.shape != x.shape[:1]:
         raise ValueError(f"linear_cross_entropy expects x [N, d], weight [V, d], targets [N], got "
@@ -132,5 +135,4 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     # decided here: inside the op grad mode is off, and validation skips the gradient work
     has_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    fused = kernels._resolve("cross_entropy", backend, x, ()) == "triton"
     return linear_cross_entropy_fwd(x, weight, targets, ignore_index, logit_dtype, chunk_tokens, has_grad, fused)[0]
