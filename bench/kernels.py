@@ -12,8 +12,11 @@ in an untimed first call): `ms` is forward+backward, `fwd_ms` the forward alone 
 autograd recording) and `bwd_ms` the backward alone (repeated on one retained graph).
 Effective bandwidth (of `ms`) uses the minimum byte counts of the issue: RMSNorm 5
 passes over x, SwiGLU 8*F elements per row, cross-entropy 2 passes over the logits,
-QK-norm+RoPE 4 passes over q+k. RMSNorm also runs torch's built-in fused
-F.rms_norm as a baseline. The device's copy bandwidth
+QK-norm+RoPE 4 passes over q+k, the chunked linear cross-entropy x, weight and their gradients once
+(its logits are made and used chunk by chunk), the AdamW shard update 28 bytes per element (bf16 gradient
+and weights, fp32 master and moments, each read or written once). RMSNorm also runs torch's built-in fused
+F.rms_norm as a baseline; the linear cross-entropy its own plain-torch chunks; the AdamW update (an
+in-place optimizer step, no autograd: `ms` only) ShardedAdamW's torch path. The device's copy bandwidth
 (read + write of a 2 GiB device-to-device copy) is measured in the same run.
 The CSV is rewritten after every op, so a cut-short run keeps what it measured.
 """
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from blunb import kernels
 from blunb.kernels import reference as ref
 from blunb.kernels.fused.cross_entropy import cross_entropy as tri_ce
 from blunb.kernels.fused.qk_norm_rope import qk_norm_rope as tri_qk
@@ -84,6 +88,16 @@ class _Case:
             print(f"fwd/bwd split not timed: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
             fwd = bwd = float("nan")
         return both, fwd, bwd
+
+
+class _Step:
+    """An in-place step without autograd (the optimizer's): timed whole, no fwd/bwd split."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def times(self) -> tuple[float, float, float]:
+        return _time(self.fn), float("nan"), float("nan")
 
 
 def _compiled(fn):
@@ -176,10 +190,64 @@ def case_cross_entropy(liger, shapes, dtype):
     return "cross_entropy", f"{N}x{V}", name, nbytes, runs
 
 
+def case_linear_cross_entropy(liger, shapes):
+    N, d, V = shapes["M"], shapes["d"], shapes["V"]
+    x = torch.randn(N, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = (0.02 * torch.randn(V, d, device=DEV)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, V, (N,), device=DEV)
+    impls = {  # fp32 logits (the default logit_dtype), bf16 GEMMs
+        "blunb_triton": lambda x, w, t: kernels.linear_cross_entropy(x, w, t, backend="triton"),
+        "blunb_torch_chunks": lambda x, w, t: kernels.linear_cross_entropy(x, w, t, backend="torch"),
+        "torch_eager": ref.linear_cross_entropy,
+        "torch_compile": _compiled(ref.linear_cross_entropy),
+    }
+    nbytes = 2 * (x.numel() + w.numel()) * x.element_size()
+    return "linear_cross_entropy", f"{N}x{d}x{V}", "bf16", nbytes, \
+        {k: _Case(f, [x, w, targets], None) for k, f in impls.items()}
+
+
+def case_adamw(liger, shapes):
+    """One layer's weights as one rank's shard of a bf16 group (world size 1: shard = flat buffers)."""
+    d, ffn = shapes["d"], shapes["ffn"]
+    sizes = [d, 4 * d * d, d, 2 * d * ffn, d * ffn]  # norm, q/k/v/o, norm, gate_up, down
+    segments, at = [], 0
+    for i, n in enumerate(sizes):
+        segments.append((at, at, n, i, n != d))
+        at += n
+    master = torch.randn(at, device=DEV)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    grad = torch.randn(at, device=DEV).bfloat16()
+    param, grad32 = master.bfloat16(), torch.empty_like(master)
+    steps = torch.ones(len(sizes), device=DEV)
+    grad_scale, found_inf = torch.ones((), device=DEV), torch.zeros((), device=DEV)
+    table = kernels.adamw_block_table(segments, DEV)
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    views = [[t[s0:s0 + n] for s0, _, n, _, _ in segments] for t in (master, grad32, exp_avg, exp_avg_sq)]
+    step_views = list(steps.unbind())
+
+    def update(backend):
+        kernels.adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, **hyper,
+                              grad_scale=grad_scale, found_inf=found_inf, backend=backend)
+
+    def torch_path():  # ShardedAdamW with kernels=adamw=torch: stage the gradient, update per decay class, copy
+        grad32.copy_(grad)
+        for decays in (True, False):
+            run = [i for i, seg in enumerate(segments) if seg[4] == decays]
+            torch._fused_adamw_(*([v[i] for i in run] for v in views), [], [step_views[i] for i in run],
+                                lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"],
+                                weight_decay=hyper["weight_decay"] if decays else 0.0, eps=hyper["eps"],
+                                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        param.copy_(master)
+
+    impls = {"blunb_triton": lambda: update("triton"), "torch_fused_adamw": torch_path,
+             "torch_eager": lambda: update("torch")}
+    return "adamw", f"{at} ({len(sizes)} params)", "bf16", 28 * at, {k: _Step(f) for k, f in impls.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/bench/kernels.csv")
-    ap.add_argument("--ops", default="copy,rms_norm,qk_norm_rope,swiglu,ce_bf16,ce_fp32")
+    ap.add_argument("--ops", default="copy,rms_norm,qk_norm_rope,swiglu,ce_bf16,ce_fp32,lce,adamw")
     ap.add_argument("--preset", help="time at this preset's shapes and dtypes (default: the fixed shapes above)")
     args = ap.parse_args()
     shapes = preset_shapes(args.preset) if args.preset else DEFAULT_SHAPES
@@ -202,7 +270,8 @@ def main():
     write()
     cases = {"rms_norm": case_rms_norm, "qk_norm_rope": case_qk_norm_rope, "swiglu": case_swiglu,
              "ce_bf16": lambda lg, sh: case_cross_entropy(lg, sh, torch.bfloat16),
-             "ce_fp32": lambda lg, sh: case_cross_entropy(lg, sh, torch.float32)}
+             "ce_fp32": lambda lg, sh: case_cross_entropy(lg, sh, torch.float32),
+             "lce": case_linear_cross_entropy, "adamw": case_adamw}
     liger = _liger()
     for key in ops:
         if key == "copy":
@@ -226,10 +295,10 @@ def main():
                              **meta))
         write()
 
-    print(f"\n{'op':14s} {'dtype':5s} {'impl':16s} {'ms':>8s} {'fwd_ms':>8s} {'bwd_ms':>8s} {'GB/s':>6s} "
+    print(f"\n{'op':20s} {'dtype':5s} {'impl':18s} {'ms':>8s} {'fwd_ms':>8s} {'bwd_ms':>8s} {'GB/s':>6s} "
           f"{'/copy':>6s} {'vs best':>7s}")
     for r in rows[1:]:
-        print(f"{r['op']:14s} {r['dtype']:5s} {r['impl']:16s} {r['ms']:>8s} {r['fwd_ms']:>8s} {r['bwd_ms']:>8s} "
+        print(f"{r['op']:20s} {r['dtype']:5s} {r['impl']:18s} {r['ms']:>8s} {r['fwd_ms']:>8s} {r['bwd_ms']:>8s} "
               f"{r['eff_GBps']:>6s} {r['frac_of_copy_bw']:>6s} {r['speedup_vs_best_baseline']:>7s}")
     print(f"(copy {copy_bw:.0f} GB/s; 'vs best' = best baseline's ms / this ms; written to {args.out})")
 

@@ -1,8 +1,9 @@
 """Plain-torch reference of every kernel op: the executable spec.
 
 Each fused kernel in `blunb/kernels/fused/` is tested against the function of the
-same name here. All math runs in fp32; results are cast back to the input dtype,
-which is what the fused kernels do too (fp32 statistics, low-precision storage).
+same name here, which is also the op's torch backend (linear_cross_entropy's excepted:
+its torch backend chunks too). All math runs in fp32; results are cast back to the input
+dtype, which is what the fused kernels do too (fp32 statistics, low-precision storage).
 """
 
 from __future__ import annotations
