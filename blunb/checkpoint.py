@@ -50,7 +50,6 @@ import random
 import re
 import shutil
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from blunb.config import ConfigError
+from blunb.optim.state import ShardedStateful, quiet_dcp
 
 log = logging.getLogger(__name__)
 
@@ -80,80 +80,6 @@ _HASH_BLOCK = 16 << 20
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used here (missing, unfinished, corrupt, or from another kind of
     run); the message names the path and the problem. A ConfigError: the run stops before any work."""
-
-
-# ---------------------------------------------------------------- helpers the optimizers use
-
-@contextlib.contextmanager
-def _quiet_dcp():
-    # DCP's own planner touches ShardedTensor through deprecated paths on every call, and warns at
-    # every single-process save; neither says anything a user of blunb can act on.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-def state_keys(params: list, param_names=None) -> list[str]:
-    """The state-dict key of each parameter: param_names[p] (e.g. the model's FQN), else "p<index>"."""
-    if param_names is None:
-        return [f"p{i}" for i in range(len(params))]
-    missing = [i for i, p in enumerate(params) if p not in param_names]
-    if missing:
-        raise ValueError(f"param_names has no name for parameter(s) {missing} (shape "
-                         f"{tuple(params[missing[0]].shape)}, ...)")
-    return [param_names[p] for p in params]
-
-
-def sharded_tensor(local: torch.Tensor | None, shape, pieces, *, device, dtype=torch.float32, process_group=None):
-    """A ShardedTensor of global `shape` made of `pieces`, [(group rank, offsets, sizes)] of EVERY
-    rank in the same order on every rank (at most one per rank); `local` is this rank's piece, None
-    where it holds none. Built without communication: every rank derives the same layout itself."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    def global_rank(q):  # placements name global ranks
-        return q if process_group is None else dist.get_global_rank(process_group, q)
-
-    me = dist.get_rank()
-    metas = [ShardMetadata(list(off), list(size), f"rank:{global_rank(q)}/{device}") for q, off, size in pieces]
-    mine = [m for m in metas if m.placement.rank() == me]
-    if len(mine) != (local is not None):
-        raise AssertionError(f"rank {me}: {len(mine)} piece(s) in the layout but local={local is not None}")
-    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    with _quiet_dcp():
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            [Shard(local, mine[0])] if mine else [], ShardedTensorMetadata(metas, torch.Size(shape), props),
-            process_group=process_group)
-
-
-def local_piece(t, offsets, sizes, shape, what: str) -> torch.Tensor:
-    """This rank's piece (at `offsets`, of `sizes`) of a loaded tensor of global `shape`: the
-    matching local shard of a ShardedTensor (what a DCP load into state_dict() gives), or the
-    slice of a full tensor (any tensor with the right number of elements)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(t, ShardedTensor):
-        with _quiet_dcp():
-            if tuple(t.size()) != tuple(shape):
-                raise ValueError(f"{what}: saved shape {tuple(t.size())}, expected {tuple(shape)}")
-            for s in t.local_shards():
-                if tuple(s.metadata.shard_offsets) == tuple(offsets) and tuple(s.metadata.shard_sizes) == tuple(sizes):
-                    return s.tensor
-        raise ValueError(f"{what}: the loaded ShardedTensor holds no local piece at {tuple(offsets)} of {tuple(sizes)}")
-    t = torch.as_tensor(t)
-    if t.numel() != int(np.prod(shape)):
-        raise ValueError(f"{what}: {t.numel()} elements, expected {int(np.prod(shape))} (shape {tuple(shape)})")
-    return t.reshape(shape)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-
-
-def check_state_kind(state_dict: dict, kind: str) -> None:
-    """Refuse another optimizer class's state (a dict without "kind" is taken to be ours)."""
-    got = state_dict.get("kind", kind)
-    if got != kind:
-        raise ValueError(f"{kind}.load_state_dict got the state of a {got}: optimizer state does not carry "
-                         "over between kinds of optimizer (optimizer=adamw and optimizer=muon checkpoints do not mix)")
 
 
 # ---------------------------------------------------------------- the run's state
@@ -180,13 +106,6 @@ def _group_names(opt_set) -> list[str]:
     return [name for name, _, _ in opt_set.groups]
 
 
-def _is_zero(opt) -> bool:
-    from blunb.optim.muon import ShardedMuon
-    from blunb.optim.zero_adamw import ShardedAdamW
-
-    return isinstance(opt, (ShardedAdamW, ShardedMuon))
-
-
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -210,7 +129,7 @@ def _training_state(model: torch.nn.Module, opt_set, saving: bool) -> dict:
     names = {p: name for name, p in model.named_parameters()}
     optim, groups, torch_optim = {}, {}, {}
     for gname, opt, _ in opt_set.groups:
-        if _is_zero(opt):
+        if isinstance(opt, ShardedStateful):
             sd = opt.state_dict(param_names=names)
             optim.update(sd.pop("state"))
             groups[gname] = sd
@@ -364,7 +283,7 @@ def _dcp_save(tree: dict, path: Path, disk_full: bool = False) -> None:
             raise
 
     writer.fs.create_stream = watched_stream
-    with _quiet_dcp():
+    with quiet_dcp():
         dcp.save(flat, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False))
     if failures:
         raise failures[0]
@@ -385,7 +304,7 @@ def _dcp_load(tree: dict, path: Path, problem: str, no_dist: bool = False) -> No
     leaves = _flatten(tree)
     flat = {".".join(p): v for p, v in leaves.items()}
     try:
-        with _quiet_dcp():
+        with quiet_dcp():
             planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
             dcp.load(flat, checkpoint_id=str(path), planner=planner, no_dist=no_dist)
     except BaseException as err:  # DCP's CheckpointException is no Exception
@@ -405,7 +324,7 @@ def _read_metadata(path: Path):
     import torch.distributed.checkpoint as dcp
 
     try:
-        with _quiet_dcp():
+        with quiet_dcp():
             md = dcp.FileSystemReader(str(path)).read_metadata()
         missing = _unstored(md)
     except Exception as err:  # noqa: BLE001  (unpickling bad bytes raises anything)
@@ -780,7 +699,7 @@ def load(path, model: torch.nn.Module, opt_set, loaders: dict | None = None, *, 
 
     names = {p: name for name, p in model.named_parameters()}
     for gname, opt, _ in opt_set.groups:
-        if _is_zero(opt):
+        if isinstance(opt, ShardedStateful):
             opt.load_state_dict({**state.get("optim_groups", {}).get(gname, {}), "state": state["optim"]},
                                 param_names=names)
         else:
@@ -810,7 +729,7 @@ def resync_masters(opt_set) -> None:
     """Re-seed every ZeRO group's fp32 masters from the current weights; call it after changing
     the weights outside the optimizer (moments and step counts are kept)."""
     for _, opt, _ in opt_set.groups:
-        if _is_zero(opt):
+        if isinstance(opt, ShardedStateful):
             opt.resync_masters_from_params()
 
 

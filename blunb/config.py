@@ -213,8 +213,9 @@ class TrainConfig:
         if self.warmup_steps + self.stable_steps >= self.max_steps:
             raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
                               f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
+        # Imported here, not at the top: `import blunb.config` stays torch-free (runs, study, launch read configs).
+        from blunb.optim.layout import COLLECTIVES, REDUCE_DTYPES
         from blunb.optim.muon import ADJUST_LR
-        from blunb.optim.zero_adamw import COLLECTIVES, REDUCE_DTYPES
 
         choices = {"optimizer": ("adamw", "muon", *TORCH_ADAMW), "collective": COLLECTIVES,
                    "muon_collective": COLLECTIVES, "reduce_dtype": tuple(REDUCE_DTYPES), "muon_adjust_lr": ADJUST_LR,

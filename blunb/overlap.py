@@ -70,8 +70,19 @@ import torch
 
 from blunb.config import TrainConfig, preset
 from blunb.model import BLU
-from blunb.optim.muon import lpt_partition, muon_param_groups, ns_cost
-from blunb.optim.zero_adamw import REDUCE_DTYPES, backward_buckets, refresh_stages
+from blunb.optim.build import build_optimizers
+from blunb.optim.layout import (
+    REDUCE_DTYPES,
+    backward_buckets,
+    lpt_partition,
+    muon_buckets,
+    ns_cost,
+    publish_order,
+    refresh_stages,
+    stage_index,
+    stage_waits,
+)
+from blunb.optim.muon import muon_param_groups
 
 _LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 MIB = 2**20
@@ -195,13 +206,9 @@ def shapes_model(preset_name: str, device_type: str = "cuda", n_layers: int | No
 
 
 def param_stages(model: torch.nn.Module) -> dict[str, int]:
-    """Parameter name -> its refresh stage (zero_adamw.refresh_stages: 0 = before the first layer)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    stage_of = {}
-    for s, (_, params) in enumerate(refresh_stages(model)):
-        for p in params:
-            stage_of.setdefault(names[id(p)], s)
-    return stage_of
+    """Parameter name -> its refresh stage (layout.refresh_stages: 0 = before the first layer)."""
+    stage_of = stage_index(refresh_stages(model))
+    return {n: stage_of[id(p)] for n, p in model.named_parameters() if id(p) in stage_of}
 
 
 @dataclass
@@ -262,8 +269,6 @@ class _Clock:
 def measure_timeline(cfg: TrainConfig, device: torch.device, iters: int = 3, warmup: int = 2) -> Timeline:
     """Train `warmup + iters` steps of one micro-batch (cfg.B x cfg.T random tokens) with the
     trainer's optimizer set for cfg.optimizer at W = 1; return the medians of the measured steps."""
-    from blunb.optim.build import build_optimizers
-
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -407,23 +412,8 @@ def _muon_units(params, world: int, collective: str, reduce_dtype: str, target: 
     if collective == "reduce_bcast":
         groups = [([i], p.numel()) for i, (_, p) in enumerate(params)]
     else:
-        groups = []
-        for dtype in sorted({p.dtype for _, p in params}, key=str):
-            runs = []
-            for r in range(world):
-                owned = [i for i, (_, p) in enumerate(params) if p.dtype == dtype and owners[i] == r]
-                total = sum(params[i][1].numel() for i in owned)
-                cuts, acc, k = [[] for _ in range(target)], 0, 0
-                for i in owned:
-                    cuts[min(k, target - 1)].append(i)
-                    acc += params[i][1].numel()
-                    while k < target - 1 and acc >= total * (k + 1) / target:
-                        k += 1
-                runs.append(cuts)
-            for k in range(target):
-                chunk = max(sum(params[i][1].numel() for i in runs[r][k]) for r in range(world))
-                if chunk:
-                    groups.append(([i for r in range(world) for i in runs[r][k]], world * chunk))
+        plan = muon_buckets([p.numel() for _, p in params], [p.dtype for _, p in params], owners, world, target)
+        groups = [([i for run in runs for i in run], world * chunk) for _, runs, chunk in plan]
     order = sorted(range(len(groups)), key=lambda u: -min(groups[u][0]))
     reduce_pos = {u: k for k, u in enumerate(order)}
     units = []
@@ -457,11 +447,11 @@ def comm_units(model: torch.nn.Module, cfg: TrainConfig, world: int) -> pd.DataF
                 kind = cfg.collective
                 red_dtype = REDUCE_DTYPES[cfg.reduce_dtype] or params[0][1].dtype
                 units = _adamw_units(params, world, kind, red_dtype, cfg.bucket_mb)
-            # overlap_refresh's publish order: by the first stage that reads the unit, then forward order
+            # overlap_refresh's publish order, as the optimizers plan it
             for u in units:
                 u["stages"] = tuple(sorted({stage_of.get(n, 0) for n in u["params"]}))
-            by_stage = sorted(range(len(units)), key=lambda i: (units[i]["stages"][0], units[i]["forward_key"]))
-            for pos, i in enumerate(by_stage):
+            order = publish_order([u["stages"] for u in units], [u["forward_key"] for u in units])
+            for pos, i in enumerate(order):
                 units[i]["publish_pos"] = pos
             for u in units:
                 rows.append({"group": name, "group_pos": g, "kind": kind, "reduce_pos": u["reduce_pos"],
@@ -599,15 +589,12 @@ def exposed_refresh_ms(units: pd.DataFrame, needed_ms: list[float], overlap: boo
     n_stages = len(needed_ms)
     required = [0.0] * n_stages
     for g, u in units.groupby("group_pos"):
-        need = [-1] * n_stages
-        for r in u.itertuples():
-            for s in r.stages:
-                need[s] = max(need[s], r.publish_pos)
-        last = -1
-        for s in range(n_stages):
-            last = max(last, need[s])
-            if last >= 0:
-                required[s] = max(required[s], end[(g, last)])
+        order = list(range(len(u)))   # a group's units indexed by publish_pos
+        by_pos = sorted(u.itertuples(), key=lambda r: r.publish_pos)
+        waits = stage_waits([list(r.stages) for r in by_pos], order, n_stages)
+        for s, n in enumerate(waits):
+            if n:
+                required[s] = max(required[s], end[(g, by_pos[n - 1].publish_pos)])
     start = 0.0
     for s in range(n_stages):
         start = max(start + (needed_ms[s] - needed_ms[s - 1] if s else 0.0), required[s])

@@ -62,7 +62,7 @@ from blunb.launch import torchrun_command
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim.build import StepRecord, StepStats, build_optimizers
-from blunb.optim.zero_adamw import refresh_stages
+from blunb.optim.layout import refresh_stages
 from blunb.runs import (
     FolderLock,
     MetricsWriter,

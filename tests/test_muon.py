@@ -14,7 +14,8 @@ from torch import nn
 
 from blunb.optim import ShardedMuon
 from blunb.optim import muon as muon_mod
-from blunb.optim.muon import adjust_lr_ratio, build_muon, lpt_partition, muon_param_groups, ns_cost
+from blunb.optim.layout import lpt_partition, ns_cost
+from blunb.optim.muon import adjust_lr_ratio, build_muon, muon_param_groups
 from blunb.optim.newton_schulz import NewtonSchulz, graphs_enabled, zeropower_reference
 from tests.distributed import REPO, torchrun
 

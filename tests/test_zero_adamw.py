@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from blunb.optim.clip import global_clip
-from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw, refresh_stages
+from blunb.optim.layout import refresh_stages
+from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw
 from tests.distributed import REPO, torchrun
 
 WORKER = REPO / "tests" / "workers" / "zero_adamw_worker.py"

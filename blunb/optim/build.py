@@ -40,7 +40,9 @@ import torch.nn as nn
 
 from blunb.config import TrainConfig
 from blunb.optim.clip import prepare_group_step
+from blunb.optim.muon import ShardedMuon, muon_param_groups
 from blunb.optim.schedule import wsd_lr
+from blunb.optim.zero_adamw import build_sharded_adamw
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +210,9 @@ class ZeroOptimizers:
     """The ZeRO-1 groups ("adamw" or "muon"), stepped in the seed's order."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
-        from blunb.optim.muon import ShardedMuon, muon_param_groups
-        from blunb.optim.zero_adamw import build_sharded_adamw
-
         self.cfg = cfg
         self.forward_model = model
         self.world_size = world_size
-        stages = model if cfg.overlap_refresh else None
         adamw_params = list(model.parameters())
         self.muon = None
         if cfg.optimizer == "muon":
@@ -224,14 +222,14 @@ class ZeroOptimizers:
                                     weight_decay=cfg.muon_weight_decay, adjust_lr=cfg.muon_adjust_lr,
                                     collective=cfg.muon_collective, target_buckets=cfg.muon_buckets,
                                     reduce_dtype=cfg.reduce_dtype, overlap_backward=cfg.overlap_backward,
-                                    overlap_refresh=cfg.overlap_refresh, stages=stages, verbose=False)
+                                    overlap_refresh=cfg.overlap_refresh, stages=model, verbose=False)
             in_muon = {id(p) for p in muon_group}
             adamw_params = [p for p in adamw_params if id(p) not in in_muon]
         adamws = build_sharded_adamw(model, adamw_params, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,
                                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
                                      collective=cfg.collective, reduce_dtype=cfg.reduce_dtype,
                                      overlap_backward=cfg.overlap_backward, overlap_refresh=cfg.overlap_refresh,
-                                     bucket_mb=cfg.bucket_mb, stages=stages)
+                                     bucket_mb=cfg.bucket_mb)
         self.groups: list[tuple[str, torch.optim.Optimizer, tuple[float, float]]] = [
             (f"adamw_{_DTYPE_LABEL.get(o.dtype, str(o.dtype))}", o, (cfg.max_lr, cfg.min_lr)) for o in adamws]
         if self.muon is not None:  # the body is the largest group: it steps last

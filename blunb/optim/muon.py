@@ -73,10 +73,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from blunb import diag
 from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
+from blunb.optim.hooks import remove_hooks, weak_hook
+from blunb.optim.layout import (
+    COLLECTIVES,
+    REDUCE_DTYPES,
+    as_stages,
+    lpt_partition,
+    muon_buckets,
+    ns_cost,
+    publish_order,
+    stage_index,
+    stage_waits,
+)
 from blunb.optim.newton_schulz import NewtonSchulz
-from blunb.optim.zero_adamw import COLLECTIVES, REDUCE_DTYPES, _remove_hooks, _weak_hook, refresh_stages
+from blunb.optim.state import check_state_kind, local_piece, sharded_tensor, state_keys
 
 log = logging.getLogger(__name__)
 
@@ -93,24 +106,6 @@ def adjust_lr_ratio(shape, adjust_lr: str) -> float:
     if adjust_lr == "original":
         return math.sqrt(max(1.0, A / B))
     return 0.2 * math.sqrt(max(A, B))
-
-
-def ns_cost(shape, steps: int) -> float:
-    """FLOPs of NS on one matrix (wide orientation r <= c): Gram, A A, B X per step."""
-    r, c = sorted(shape[:2])
-    return steps * (4.0 * r * r * c + 2.0 * r ** 3)
-
-
-def lpt_partition(costs: list[float], world: int) -> list[int]:
-    """Owner rank per item: longest processing time first onto the least-loaded rank.
-    Ties break on index and rank, so every rank computes the same answer."""
-    loads = [0.0] * world
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world), key=lambda r: (loads[r], r))
-        owners[i] = r
-        loads[r] += costs[i]
-    return owners
 
 
 @dataclass
@@ -177,7 +172,7 @@ class ShardedMuon(torch.optim.Optimizer):
 
     reduce_dtype, overlap_backward, overlap_refresh: see the module docstring. `stages`
     (required by overlap_refresh, ignored otherwise, as ShardedAdamW): the model itself
-    (split by zero_adamw.refresh_stages), or a list of (module, params) in forward order
+    (split by layout.refresh_stages), or a list of (module, params) in forward order
     whose params are installed by a forward pre-hook on that module (stage 0's module
     should be the model root). Give the parameters in forward order: the gradient
     reduction is issued in their reverse order.
@@ -257,14 +252,14 @@ class ShardedMuon(torch.optim.Optimizer):
         self._stage_map = None
 
         self._hook_handles: list = []
-        weakref.finalize(self, _remove_hooks, self._hook_handles)
+        weakref.finalize(self, remove_hooks, self._hook_handles)
         if self.overlap_backward:  # a tensor without requires_grad is left to the serial reduce
             for p in muon + aux:
                 if p.requires_grad:
                     self._hook_handles.append(
-                        p.register_post_accumulate_grad_hook(_weak_hook(self, "_on_grad", self._unit_of[p])))
+                        p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad", self._unit_of[p])))
         if overlap_refresh:
-            self._set_stages(refresh_stages(stages) if isinstance(stages, nn.Module) else list(stages))
+            self._set_stages(as_stages(stages))
         self._external_coef = self._external_found_inf = None
         zero = lambda: torch.zeros((), dtype=torch.float32, device=self.device)  # noqa: E731
         self._skipped, self._rejected_total = zero(), zero()
@@ -317,45 +312,31 @@ class ShardedMuon(torch.optim.Optimizer):
 
     def _build_buckets(self, target: int) -> list[_Bucket]:
         everything = self._muon_params + self._aux_params
+        plan = muon_buckets([p.numel() for p in everything], [p.dtype for p in everything],
+                            [self._owner[p] for p in everything], self.world, target)
         buckets = []
-        for dtype in sorted({p.dtype for p in everything}, key=str):
-            # per rank: its owned tensors of this dtype, cut into `target` runs of ~equal numel
-            runs = []
-            for r in range(self.world):
-                owned = [p for p in everything if p.dtype == dtype and self._owner[p] == r]
-                total = sum(p.numel() for p in owned)
-                cuts, acc, k = [[] for _ in range(target)], 0, 0
-                for p in owned:
-                    cuts[min(k, target - 1)].append(p)
-                    acc += p.numel()
-                    while k < target - 1 and acc >= total * (k + 1) / target:
-                        k += 1
-                runs.append(cuts)
-            for k in range(target):
-                chunk = max(sum(p.numel() for p in runs[r][k]) for r in range(self.world))
-                if chunk == 0:
-                    continue
-                red = REDUCE_DTYPES[self.reduce_dtype] or dtype
-                flat = torch.zeros(self.world * chunk, dtype=dtype, device=self.device)
-                own = torch.zeros(chunk, dtype=dtype, device=self.device)
-                # Reduce and publish share the buffers when the dtypes agree: the publish
-                # only starts after the update has consumed the gradients.
-                rflat = flat if red == dtype else torch.zeros(self.world * chunk, dtype=red, device=self.device)
-                rown = own if red == dtype else torch.zeros(chunk, dtype=red, device=self.device)
-                b = _Bucket(chunk, flat, own, rflat, rown)
-                for r in range(self.world):
-                    off = 0
-                    for p in runs[r][k]:
-                        lo, hi = r * chunk + off, r * chunk + off + p.numel()
-                        b.params.append(p)
-                        b.views.append(flat[lo:hi].view(p.shape))
-                        b.rviews.append(rflat[lo:hi].view(p.shape))
-                        if r == self.rank:
-                            b.own_params.append(p)
-                            b.own_views.append(own[off: off + p.numel()].view(p.shape))
-                            b.rown_views.append(rown[off: off + p.numel()].view(p.shape))
-                        off += p.numel()
-                buckets.append(b)
+        for dtype, runs, chunk in plan:
+            red = REDUCE_DTYPES[self.reduce_dtype] or dtype
+            flat = torch.zeros(self.world * chunk, dtype=dtype, device=self.device)
+            own = torch.zeros(chunk, dtype=dtype, device=self.device)
+            # Reduce and publish share the buffers when the dtypes agree: the publish
+            # only starts after the update has consumed the gradients.
+            rflat = flat if red == dtype else torch.zeros(self.world * chunk, dtype=red, device=self.device)
+            rown = own if red == dtype else torch.zeros(chunk, dtype=red, device=self.device)
+            b = _Bucket(chunk, flat, own, rflat, rown)
+            for r, run in enumerate(runs):
+                off = 0
+                for p in (everything[i] for i in run):
+                    lo, hi = r * chunk + off, r * chunk + off + p.numel()
+                    b.params.append(p)
+                    b.views.append(flat[lo:hi].view(p.shape))
+                    b.rviews.append(rflat[lo:hi].view(p.shape))
+                    if r == self.rank:
+                        b.own_params.append(p)
+                        b.own_views.append(own[off: off + p.numel()].view(p.shape))
+                        b.rown_views.append(rown[off: off + p.numel()].view(p.shape))
+                    off += p.numel()
+            buckets.append(b)
         return buckets
 
     def _build_units(self) -> None:
@@ -370,7 +351,7 @@ class ShardedMuon(torch.optim.Optimizer):
         else:
             self._units = [[p] for p in everything]
         index = {p: i for i, p in enumerate(everything)}
-        first = [min(index[p] for p in unit) for unit in self._units]
+        self._unit_first = first = [min(index[p] for p in unit) for unit in self._units]
         self._unit_of = {p: u for u, unit in enumerate(self._units) for p in unit}
         self._grad_order = sorted(range(len(self._units)), key=lambda u: -first[u])
         self._publish_order = sorted(range(len(self._units)), key=lambda u: first[u])
@@ -455,6 +436,17 @@ class ShardedMuon(torch.optim.Optimizer):
     def ns_max_update_ratio(self) -> float:
         return float(self._ratio_last.item())
 
+    def step_stats(self) -> dict[str, torch.Tensor]:
+        """The last step's divergence-guard figures as 0-dim device tensors (no sync): ns_rejected
+        (matrix updates rejected, int), ns_rejected_total (over the run, int), ns_ratio (the worst
+        accepted ||U||_F / sqrt(min(rows, cols)))."""
+        return {"ns_rejected": self._rejected_last.long(), "ns_rejected_total": self._rejected_total.long(),
+                "ns_ratio": self._ratio_last}
+
+    def num_matrices(self) -> int:
+        """The matrices Muon orthogonalizes (the rest is aux AdamW)."""
+        return len(self._muon_params)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (fp32 masters, momenta, moments)."""
         seen, total = set(), 0
@@ -476,10 +468,8 @@ class ShardedMuon(torch.optim.Optimizer):
     def replica_checksum(self) -> torch.Tensor:
         """blunb.diag's bit-level hash of every parameter (equal on all ranks iff the replicas
         are, barring collisions). Installs pending refreshes first."""
-        from blunb.diag import replica_checksum
-
         self.drain_refresh()
-        return replica_checksum(self._muon_params + self._aux_params)
+        return diag.replica_checksum(self._muon_params + self._aux_params)
 
     # ------------------------------------------------------------------ reduction
     @torch.no_grad()
@@ -709,21 +699,10 @@ class ShardedMuon(torch.optim.Optimizer):
     def _set_stages(self, stages) -> None:
         """Publish order and per-stage wait positions from `stages` (forward order); a
         parameter no stage names is installed with stage 0: always correct, not overlapped."""
-        stage_of = {}
-        for s, (_, ps) in enumerate(stages):
-            for p in ps:
-                stage_of.setdefault(id(p), s)
-        stage = lambda p: stage_of.get(id(p), 0)
-        first_stage = [min(stage(p) for p in unit) for unit in self._units]
-        self._publish_order = sorted(self._publish_order, key=lambda u: first_stage[u])  # stable: forward order
-        pos = {u: k for k, u in enumerate(self._publish_order)}
-        need = [0] * len(stages)
-        for u, unit in enumerate(self._units):
-            for p in unit:
-                need[stage(p)] = max(need[stage(p)], pos[u] + 1)
-        for s in range(1, len(stages)):         # a stage also waits for everything before it
-            need[s] = max(need[s], need[s - 1])
-        self._stage_wait_pos = need
+        stage_of = stage_index(stages)
+        unit_stages = [[stage_of.get(id(p), 0) for p in unit] for unit in self._units]
+        self._publish_order = publish_order(unit_stages, keys=self._unit_first)
+        self._stage_wait_pos = need = stage_waits(unit_stages, self._publish_order, len(stages))
         rows = []
         for s in range(len(stages)):
             units = [self._units[u] for u in self._publish_order[need[s - 1] if s else 0: need[s]]]
@@ -733,7 +712,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self._stage_map = {"stages": rows,
                            "uncovered": [p for p in self._muon_params + self._aux_params if id(p) not in stage_of]}
         for s, (module, _) in enumerate(stages):
-            self._hook_handles.append(module.register_forward_pre_hook(_weak_hook(self, "_install_stage", s)))
+            self._hook_handles.append(module.register_forward_pre_hook(weak_hook(self, "_install_stage", s)))
 
     def _install_stage(self, s: int, *_) -> None:
         self._install(self._stage_wait_pos[s])
@@ -750,8 +729,6 @@ class ShardedMuon(torch.optim.Optimizer):
         the owner at any world size reads it back. Nothing is copied: the tensors are views of the
         live state, so a DCP load into this dict writes it in place.
         """
-        from blunb.checkpoint import sharded_tensor, state_keys
-
         params = self._muon_params + self._aux_params
         matrices = {id(p) for p in self._muon_params}
         state = {}
@@ -776,8 +753,6 @@ class ShardedMuon(torch.optim.Optimizer):
         filled by a DCP load, or full tensors), then publish the loaded fp32 masters to every
         rank's weights, so weights and masters agree. The state stays fp32 (torch's own load
         would cast it to each parameter's dtype, rounding the master of a bf16 parameter)."""
-        from blunb.checkpoint import check_state_kind, local_piece, state_keys
-
         check_state_kind(state_dict, "ShardedMuon")
         params = self._muon_params + self._aux_params
         keys = state_keys(params, param_names)

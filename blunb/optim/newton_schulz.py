@@ -153,7 +153,8 @@ class NewtonSchulz:
             return False, False
         if self.syrk:
             return True, True
-        from blunb.kernels.fused import syrk as fused_syrk
+        from blunb.kernels.fused import syrk as fused_syrk  # triton, only on this CUDA path
+
         wide = _wide(stage)  # the verdict is for the layout _ns passes: column-major for a tall slot
         n = wide.shape[1]
         square = torch.empty(stage.shape[0], n, n, dtype=stage.dtype, device=stage.device)
@@ -161,7 +162,7 @@ class NewtonSchulz:
 
     def _ns(self, X: torch.Tensor, syrk: tuple[bool, bool]) -> torch.Tensor:
         if syrk[0] or syrk[1]:
-            from blunb.kernels.fused.syrk import triton_syrk
+            from blunb.kernels.fused.syrk import triton_syrk  # triton, only when a SYRK kernel is chosen
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
         if self.safety == 1.0:
             X = X / norm.clamp(min=self.eps)   # torch.optim.Muon's normalization

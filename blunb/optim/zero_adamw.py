@@ -50,33 +50,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from blunb import kernels
+from blunb import diag, kernels
 from blunb.optim import collectives
 from blunb.optim.clip import ClipStats, clip_stats_from_sq_norm
+from blunb.optim.hooks import remove_hooks, weak_hook
+from blunb.optim.layout import (
+    COLLECTIVES,
+    REDUCE_DTYPES,
+    as_stages,
+    backward_buckets,
+    publish_order,
+    stage_index,
+    stage_waits,
+)
+from blunb.optim.state import check_state_kind, local_piece, sharded_tensor, state_keys
 
 log = logging.getLogger(__name__)
 
-# The allowed values, declared once: TrainConfig.validate and ShardedMuon read them from here.
-COLLECTIVES = ("rs_ag", "reduce_bcast")
-REDUCE_DTYPES = {"param": None, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-
 def _mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB"
-
-
-def backward_buckets(numels: list[int], cap: int) -> list[list[int]]:
-    """Parameter indices grouped into reduce buckets: whole tensors in backward order (gradients
-    arrive last-first), a new bucket once the next tensor would take it past `cap` elements."""
-    buckets, cur, cur_n = [], [], 0
-    for i in reversed(range(len(numels))):
-        if cur and cur_n + numels[i] > cap:
-            buckets.append(cur)
-            cur, cur_n = [], 0
-        cur.append(i)
-        cur_n += numels[i]
-    buckets.append(cur)
-    return buckets
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -155,14 +147,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._hook_handles: list = []
         self._bucket_of = {id(p): b for b, idx in enumerate(self._buckets) for p in (plist[i] for i in idx)}
         for i, p in enumerate(plist):
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self, "_on_grad", i)))
-        weakref.finalize(self, _remove_hooks, self._hook_handles)
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad", i)))
+        weakref.finalize(self, remove_hooks, self._hook_handles)
         if overlap_refresh:
             if stages is None:
                 raise ValueError("overlap_refresh=True needs stages= (the model, or a list of "
                                  "(module, params) in forward order) so forward pre-hooks can "
                                  "install each stage; build_sharded_adamw(model, ...) passes it")
-            self._set_stages(refresh_stages(stages) if isinstance(stages, nn.Module) else stages)
+            self._set_stages(as_stages(stages))
 
     # ------------------------------------------------------------------ layout
     def _build_layout(self, bucket_mb: float) -> None:
@@ -440,24 +432,13 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # ---------------------------------------------------------- overlap_refresh
     def _set_stages(self, stages) -> None:
-        stage_of = {}
-        for s, (_, ps) in enumerate(stages):
-            for p in ps:
-                stage_of.setdefault(id(p), s)
+        stage_of = stage_index(stages)
         # A parameter no stage names is installed with stage 0: always correct, just not overlapped.
-        first_stage = [min(stage_of.get(id(self._params[i]), 0) for i in idx) for idx in self._buckets]
-        self._publish_order = sorted(range(len(self._buckets)), key=lambda b: first_stage[b])
-        pos = {b: k for k, b in enumerate(self._publish_order)}
-        need = [0] * len(stages)
-        for b, idx in enumerate(self._buckets):
-            for i in idx:
-                s = stage_of.get(id(self._params[i]), 0)
-                need[s] = max(need[s], pos[b] + 1)
-        for s in range(1, len(stages)):         # a stage also waits for everything before it
-            need[s] = max(need[s], need[s - 1])
-        self._stage_wait_pos = need
+        unit_stages = [[stage_of.get(id(self._params[i]), 0) for i in idx] for idx in self._buckets]
+        self._publish_order = publish_order(unit_stages, keys=list(range(len(self._buckets))))
+        self._stage_wait_pos = stage_waits(unit_stages, self._publish_order, len(stages))
         for s, (module, _) in enumerate(stages):
-            self._hook_handles.append(module.register_forward_pre_hook(_weak_hook(self, "_install_stage", s)))
+            self._hook_handles.append(module.register_forward_pre_hook(weak_hook(self, "_install_stage", s)))
 
     def _install_stage(self, s: int, *_) -> None:
         self._install(self._stage_wait_pos[s])
@@ -496,10 +477,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     def replica_checksum(self) -> torch.Tensor:
         """blunb.diag's bit-level hash of this group's parameters (equal on all ranks iff the
         replicas are, barring collisions). Installs pending refreshes first."""
-        from blunb.diag import replica_checksum
-
         self.drain_refresh()
-        return replica_checksum(self._params)
+        return diag.replica_checksum(self._params)
 
     # ------------------------------------------------------------ checkpoints
     def _owned_range(self, i: int, q: int) -> tuple[int, int, int]:
@@ -522,8 +501,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         writes every element once and loads it back re-cut for any layout. Nothing is copied: the
         tensors are views of the live state, so a DCP load into this dict writes it in place.
         """
-        from blunb.checkpoint import sharded_tensor, state_keys
-
         state = {}
         for i, (p, key) in enumerate(zip(self._params, state_keys(self._params, param_names))):
             off, n, s = self._owned_range(i, self.rank)
@@ -543,8 +520,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Restore what state_dict() gave, at any world size (the dict state_dict() gives here,
         filled by a DCP load, or full tensors), then re-seed the model weights from the loaded fp32
         masters: weights and masters agree, on every rank."""
-        from blunb.checkpoint import check_state_kind, local_piece, state_keys
-
         check_state_kind(state_dict, "ShardedAdamW")
         keys = state_keys(self._params, param_names)
         missing = [k for k in keys if k not in state_dict["state"]]
@@ -578,62 +553,19 @@ class ShardedAdamW(torch.optim.Optimizer):
         torch._foreach_copy_(self._master_chunks, self._param_chunks)
 
 
-def _weak_hook(opt, method: str, *bound):
-    """A hook calling opt.<method>(*bound, *hook_args) that does not keep opt alive: a strong
-    reference from the model's tensors and modules back to the optimizer would be a cycle."""
-    ref = weakref.ref(opt)
-
-    def hook(*args):
-        target = ref()
-        if target is not None:
-            return getattr(target, method)(*bound, *args)
-    return hook
-
-
-def _remove_hooks(handles: list) -> None:
-    for h in handles:
-        h.remove()
-
-
-def refresh_stages(model: nn.Module) -> list[tuple[nn.Module, list]]:
-    """Refresh stages in consumption order for an embedding -> layers -> head model.
-
-    Stage 0 (installed by a pre-hook on the model itself, before anything runs) holds every
-    parameter registered before the first non-empty nn.ModuleList (the embedding); then one
-    stage per layer; parameters registered after the layers (final norm, untied head) ride
-    with the last layer, whose pre-hook fires before they are read. Tied weights stay in
-    the stage of their first registration. No ModuleList: a single stage 0.
-    """
-    layers = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
-    if layers is None:
-        return [(model, list(model.parameters()))]
-    in_layers = {id(p) for p in layers.parameters()}
-    before, after, seen_layers = [], [], False
-    for p in model.parameters():
-        if id(p) in in_layers:
-            seen_layers = True
-        else:
-            (after if seen_layers else before).append(p)
-    stages = [(model, before)] + [(layer, list(layer.parameters())) for layer in layers]
-    stages[-1][1].extend(after)
-    return stages
-
-
-def build_sharded_adamw(model: nn.Module, params: list | None = None, **kw) -> list[ShardedAdamW]:
+def build_sharded_adamw(model: nn.Module, params: list | None = None, *, stages=None, **kw) -> list[ShardedAdamW]:
     """One ShardedAdamW per parameter dtype, ordered by size with the LARGEST LAST: the one
     place the trainer, the benchmarks and the tests build their AdamW groups.
 
     That is the seed's step order: the biggest group's publish is issued last, so no other
     group's collective queues behind it (head-of-line blocking would eat the overlap).
     `params`: the subset to cover (default every trainable parameter of `model`; the Muon
-    set passes what its matrices leave). With overlap_refresh=True the stages are derived
-    from the model (refresh_stages).
+    set passes what its matrices leave). `stages` (used by overlap_refresh) defaults to the
+    model itself (layout.refresh_stages).
     """
     by_dtype: dict[torch.dtype, list] = {}
     for p in (model.parameters() if params is None else params):
         if p.requires_grad:
             by_dtype.setdefault(p.dtype, []).append(p)
-    if kw.get("overlap_refresh"):
-        kw.setdefault("stages", refresh_stages(model))
     groups = sorted(by_dtype.values(), key=lambda ps: sum(p.numel() for p in ps))
-    return [ShardedAdamW(ps, **kw) for ps in groups]
+    return [ShardedAdamW(ps, stages=model if stages is None else stages, **kw) for ps in groups]
