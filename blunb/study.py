@@ -25,6 +25,16 @@ nproc visible GPUs (CUDA_VISIBLE_DEVICES set per run; `runs_per_gpu` > 1 shares 
 `max_parallel`. A tqdm bar over runs (log lines without tqdm) shows each running run's latest step.
 Each launch's combined output goes to `<run>/console.txt`.
 
+Beyond one machine: `Study(..., executor=submitit.AutoExecutor(folder=...))` (configured for SLURM by its
+update_parameters: partition, GPUs per node >= nproc, time limit) submits each run as one job instead: the
+same command (its torchrun inside when nproc > 1), run by blunb.study_job.run_command, which writes
+console.txt. Everything else is the same loop: caching, resume, the root causes (from the run folder, not
+submitit's traceback), the progress bar (from the run folders), the study's lock (held while its jobs run);
+the cluster places the jobs, max_parallel caps how many are in flight (default: all), and an interrupt or
+error cancels every job and waits (up to 60 s) for their runs to stop. `executor=None` or "local" is the
+local pool; submitit (`pip install 'blunb[cluster]'`) is imported only when an executor is given, and any
+other value is an error before any work. The study's folder must be on storage the jobs' nodes share.
+
 Caching: a run whose folder says completed, with the config.json this run would get (built by
 blunb.train.parse_args from the same arguments) and the same world size, is skipped. A folder
 with the same config but unfinished (running, failed, killed) is re-run with `--resume auto`
@@ -60,7 +70,6 @@ import logging
 import numbers
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -68,6 +77,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -85,12 +95,15 @@ from blunb.runs import (
     source_digest,
     summarize,
 )
+from blunb.study_job import command_env, run_command, terminate
+from blunb.study_job import start as start_process
 
 log = logging.getLogger("blunb.study")  # not __name__: it is "__main__" under python -m
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")  # one folder name, no path tricks
 _POLL_S = 0.5
 _LOG_EVERY_S = 30.0
+_JOB_GRACE_S = 60.0  # a cancelled job's run gets this long to stop (a queue's cancel takes a while to land)
 SUMMARY_COLUMNS = ["arm", "seed", "run", "status", "action", "error", "steps_done", "steps_total",
                    "final_val_loss", "best_val_loss", "final_train_loss", "steady_tok_per_sec", "steady_mfu",
                    "peak_mem_gib", "device", "world_size", "run_dir"]
@@ -124,10 +137,9 @@ class _Planned:
 @dataclass
 class _Active:
     plan: _Planned
-    proc: subprocess.Popen
-    console: object       # the open console.txt
-    slot: str | None      # CUDA_VISIBLE_DEVICES of this run (None on the CPU)
-    started: float        # time.time() at launch: newer files in the folder are this launch's
+    slot: str | None      # CUDA_VISIBLE_DEVICES of this run (None on the CPU and for jobs)
+    started: float        # time.time() at launch (a job's submission): newer files in the folder are this launch's
+    handle: _LocalRun | _JobRun  # the launcher's own: poll() -> (exit code, why none) once ended, else None
 
 
 @dataclass
@@ -152,6 +164,9 @@ class Study:
     GPU results on a laptop without ever starting a 124m run there by accident).
     allow_dirty: publish into the committed results/ even from a git tree with uncommitted changes
     (recorded in study.json); without it run() refuses before any work.
+    executor: None or "local" (this machine's processes), or a submitit executor (AutoExecutor for SLURM,
+    LocalExecutor): one job per run, GPUs / partition / time limit from its parameters (see the module
+    docstring); runs_per_gpu and the GPU slots do not apply there, max_parallel caps the jobs in flight.
     """
 
     name: str
@@ -170,6 +185,7 @@ class Study:
     progress: bool = True
     render_only: bool = False
     allow_dirty: bool = False
+    executor: Any = None
 
     @property
     def folder(self) -> Path:
@@ -257,6 +273,7 @@ class Study:
                 raise ValueError(f"{what} must be an integer >= 1" + (" or None" if optional else "") +
                                  f", got {value!r}")
         common = _checked_overrides("common", self.common)
+        self._executor = _checked_executor(self.executor)
         env = {**os.environ, **self.env}
         plans = []
         for arm, overrides in self.arms.items():
@@ -298,26 +315,28 @@ class Study:
     # ------------------------------------------------------------ running
 
     def _launch_all(self, todo: list[_Planned], total: int) -> dict[str, _Outcome]:
-        """Run `todo` in parallel, as many at a time as there are slots; every run's outcome."""
+        """Run `todo`, as many at a time as the launcher has slots; every run's outcome. The loop is the
+        same for local processes and submitted jobs: only the launcher differs."""
         if not todo:
             return {}
-        env = {**os.environ, **self.env}
-        slots = _slots(_visible_gpus(env), self.nproc, self.runs_per_gpu, self.max_parallel, _cores())
-        at_once = min(len(slots), len(todo))
-        # The CPU's cores shared among the runs at once (launch's own default assumes one run).
-        env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // (at_once * self.nproc))))
-        log.info(f"{self.name}: {len(todo)} run(s) to train, {at_once} at a time, in {self.folder}")
+        launcher = _JobLauncher(self, self._executor) if self._executor is not None else _LocalLauncher(self)
+        slots = launcher.slots(len(todo))
+        log.info(f"{self.name}: {len(todo)} run(s) to train, {min(len(slots), len(todo))} at a time "
+                 f"{launcher.where}, in {self.folder}")
         pending, active, outcomes = list(todo), [], {}
         progress = _Progress(self.name, total, total - len(todo), self.progress)
         try:
             while pending or active:
                 while pending and slots:
-                    active.append(self._start(pending.pop(0), slots.pop(0), env))
-                for a in [a for a in active if a.proc.poll() is not None]:
+                    plan = pending.pop(0)
+                    active.append(launcher.start(plan, _command(plan, self.nproc), slots.pop(0)))
+                for a in list(active):
+                    ended = a.handle.poll()
+                    if ended is None:
+                        continue
                     active.remove(a)
                     slots.append(a.slot)
-                    a.console.close()
-                    outcomes[a.plan.name] = out = _outcome(a)
+                    outcomes[a.plan.name] = out = _outcome(a.plan, a.started, *ended)
                     if out.status == "completed":
                         log.info(f"{self.name}: {a.plan.name} completed")
                     else:
@@ -327,37 +346,171 @@ class Study:
                 if active:
                     time.sleep(_POLL_S)
         except BaseException:
-            _stop(active)  # an interrupt or error here: no rank is left running
+            launcher.stop(active)  # an interrupt or error here: no run is left going
             raise
         finally:
             progress.close()
         return outcomes
 
-    def _start(self, plan: _Planned, slot: str | None, env: dict) -> _Active:
-        extra = ["--resume", "auto"] if plan.action == "resume" else ["--overwrite"]  # new: any leftovers go
-        target = ["-m", "blunb.train", *plan.args, *extra]
-        cmd = torchrun_command(target, self.nproc) if self.nproc > 1 else [sys.executable, *target]
-        run_env = {**env, "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")}
+
+def _command(plan: _Planned, nproc: int) -> list[str]:
+    """The run's command: blunb.train (under torchrun for nproc > 1), resuming or starting afresh."""
+    extra = ["--resume", "auto"] if plan.action == "resume" else ["--overwrite"]  # new: any leftovers go
+    target = ["-m", "blunb.train", *plan.args, *extra]
+    return torchrun_command(target, nproc) if nproc > 1 else [sys.executable, *target]
+
+
+# ---------------------------------------------------------------- launchers
+# A launcher starts a run's command and watches it: slots() says how many go at once, start() returns the
+# run's _Active (its handle's poll() gives (exit code, why there is none) once it has ended, else None),
+# stop() ends every active run (interrupt or error). _LocalLauncher: this machine's processes;
+# _JobLauncher: one submitit job per run.
+
+class _LocalLauncher:
+    where = "as local processes"
+
+    def __init__(self, study: Study):
+        self.study, self.env = study, {**os.environ, **study.env}
+
+    def slots(self, runs: int) -> list[str | None]:
+        s = self.study
+        slots = _slots(_visible_gpus(self.env), s.nproc, s.runs_per_gpu, s.max_parallel, _cores())
+        # The CPU's cores shared among the runs at once (launch's own default assumes one run).
+        self.env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // (min(len(slots), runs) * s.nproc))))
+        return slots
+
+    def start(self, plan: _Planned, cmd: list[str], slot: str | None) -> _Active:
+        run_env = command_env(self.env, str(repo_root()))
         if slot is not None:
             run_env["CUDA_VISIBLE_DEVICES"] = slot
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         started = time.time()
         console = open(plan.run_dir / "console.txt", "w")
         try:
-            # Its own process group, so one signal reaches torchrun and every rank.
-            proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT, env=run_env,
-                                    start_new_session=True)
+            proc = start_process(cmd, console, run_env)
         except BaseException:
             console.close()
             raise
-        log.info(f"{self.name}: started {plan.name} ({plan.action}" + (f", GPUs {slot}" if slot else "") + ")")
-        return _Active(plan, proc, console, slot, started)
+        log.info(f"{self.study.name}: started {plan.name} ({plan.action}" + (f", GPUs {slot}" if slot else "") + ")")
+        return _Active(plan, slot, started, _LocalRun(proc, console))
+
+    def stop(self, active: list[_Active]) -> None:
+        terminate([a.handle.proc for a in active])
+        for a in active:
+            a.handle.console.close()
+
+
+class _LocalRun:
+    def __init__(self, proc: subprocess.Popen, console):
+        self.proc, self.console = proc, console
+
+    def poll(self) -> tuple[int | None, str | None] | None:
+        if self.proc.poll() is None:
+            return None
+        self.console.close()
+        return self.proc.returncode, None
+
+
+class _JobLauncher:
+    """One submitit job per run, running the command the local path would (blunb.study_job.run_command,
+    which writes console.txt); the cluster's scheduler places it (GPUs, partition, time: the executor's
+    parameters), so there are no GPU slots here, only max_parallel jobs in flight (default: all)."""
+
+    def __init__(self, study: Study, executor):
+        self.study, self.executor = study, executor
+        self.where = f"as {type(executor).__name__} jobs"
+
+    def slots(self, runs: int) -> list[str | None]:
+        return [None] * min(runs, self.study.max_parallel or runs)
+
+    def start(self, plan: _Planned, cmd: list[str], slot: str | None) -> _Active:
+        started = time.time()
+        # self.env only: the job's own environment (its node's GPUs, the scheduler's variables) is the base.
+        job = self.executor.submit(run_command, cmd, str(plan.run_dir / "console.txt"), dict(self.study.env),
+                                   str(repo_root()))
+        log.info(f"{self.study.name}: submitted {plan.name} ({plan.action}, job {job.job_id})")
+        return _Active(plan, slot, started, _JobRun(job))
+
+    def stop(self, active: list[_Active], grace_s: float = _JOB_GRACE_S) -> None:
+        """Cancel every job, then wait (up to grace_s) until each has ended and its run no longer says
+        running: the study's lock is let go only once its runs have stopped, as locally."""
+        for a in active:
+            try:
+                a.handle.job.cancel(check=False)
+            except Exception as err:  # an unreachable scheduler must not hide the interrupt
+                log.warning(f"{self.study.name}: could not cancel job {a.handle.job.job_id} ({a.plan.name}): {err}")
+        deadline = time.monotonic() + grace_s
+        going = list(active)
+        while going and time.monotonic() < deadline:
+            going = [a for a in going if not _job_stopped(a)]
+            if going:
+                time.sleep(_POLL_S)
+        if going:
+            log.warning(f"{self.study.name}: cancelled, but still going after {grace_s:g} s: "
+                        + ", ".join(f"{a.plan.name} (job {a.handle.job.job_id})" for a in going))
+
+
+class _JobRun:
+    def __init__(self, job):
+        self.job = job
+
+    def poll(self) -> tuple[int | None, str | None] | None:
+        if not self.job.done():
+            return None
+        try:
+            return int(self.job.result()), None
+        except Exception as err:  # the job itself failed: cancelled, timed out, lost with its node
+            return None, _job_failure(self.job, err)
+
+
+def _job_failure(job, err: Exception) -> str:
+    """One line on why a job gave no exit code, from submitit's error (a traceback dump or a log excerpt)."""
+    text = str(err)
+    if "Traceback" in text:  # FailedJobError: the job's function raised; the quoted trace ends with the exception
+        trace = [line.strip() for line in text.split("Traceback", 1)[1].split("\n---", 1)[0].splitlines()]
+        return f"job {job.job_id} raised {[line for line in trace if line][-1]}"
+    state = re.search(r"\(state: ([^)]*)\)", text)  # UncompletedJobError: no result (cancelled, node lost, ...)
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return f"job {job.job_id} ended without a result" + (f" (state: {state.group(1)})" if state else f": {first}")
+
+
+def _job_stopped(a: _Active) -> bool:
+    """Whether a cancelled job has ended and its run no longer says running (a status this launch wrote)."""
+    try:
+        if not a.handle.job.done():
+            return False
+    except Exception:  # the scheduler cannot say: the grace period decides
+        return False
+    try:
+        status = read_status(a.plan.run_dir) or {}
+        fresh = (a.plan.run_dir / "status.json").stat().st_mtime >= a.started - 1
+    except (OSError, ValueError):
+        return True  # no status of this launch: nothing of it holds the folder
+    return not (fresh and status.get("state") == "running")
 
 
 def run_study(name: str, arms: dict[str, Sequence[str]], seeds: Sequence[int], **kwargs) -> pd.DataFrame:
     """Study(name, arms, seeds, **kwargs).run()."""
     return Study(name, arms, seeds, **kwargs).run()
+
+
+def _checked_executor(executor):
+    """None for this machine's processes (executor None or "local"), else the submitit executor given;
+    any other value is an error before any work. submitit is imported only here, for the check."""
+    if executor is None or (isinstance(executor, str) and executor == "local"):
+        return None
+    expected = ("executor must be None or 'local' (this machine's processes) or a submitit executor, e.g. "
+                "submitit.AutoExecutor(folder=...) for SLURM")
+    if isinstance(executor, str) or not callable(getattr(executor, "submit", None)):
+        raise ValueError(f"{expected}; got {executor!r}")
+    try:
+        import submitit
+    except ImportError:
+        raise ConfigError(f"executor={type(executor).__name__}(...): submitting runs as jobs needs submitit, which "
+                          "is not installed: pip install 'blunb[cluster]' (or 'submitit>=1.5')") from None
+    if not isinstance(executor, submitit.Executor):  # the study watches and cancels its jobs through submitit's Job
+        raise ValueError(f"{expected}; got a {type(executor).__module__}.{type(executor).__name__}")
+    return executor
 
 
 def _checked_overrides(what: str, overrides) -> list[str]:
@@ -454,12 +607,13 @@ def _latest_step(run_dir: Path, since: float) -> int | None:
     return None
 
 
-def _outcome(a: _Active) -> _Outcome:
-    """How a finished launch ended, with its root cause when it did not complete."""
-    rc = a.proc.returncode
+def _outcome(plan: _Planned, started: float, rc: int | None, lost: str | None = None) -> _Outcome:
+    """How a finished launch ended, with its root cause when it did not complete: the run folder's
+    own account (console.txt, status.json), whichever launcher ran it. rc: the command's exit status;
+    None when there is none (a job that failed outside the command: `lost` says why)."""
     try:
-        fresh = (a.plan.run_dir / "status.json").stat().st_mtime >= a.started - 1  # written by this launch
-        status = settle_status(a.plan.run_dir) if fresh else None  # its processes have exited: no "running"
+        fresh = (plan.run_dir / "status.json").stat().st_mtime >= started - 1  # written by this launch
+        status = settle_status(plan.run_dir) if fresh else None  # its processes have exited: no "running"
     except (OSError, ValueError):
         status = None
     state = (status or {}).get("state")
@@ -467,35 +621,20 @@ def _outcome(a: _Active) -> _Outcome:
         return _Outcome("completed")
     if rc == 0 and state == "diverged":  # trained to the end, but mostly on skipped steps
         return _Outcome("diverged", status.get("error"))
-    lines = (a.plan.run_dir / "console.txt").read_text(errors="replace").splitlines()
+    try:
+        lines = (plan.run_dir / "console.txt").read_text(errors="replace").splitlines()
+    except FileNotFoundError:  # a job that never started its command
+        lines = []
     f = parse_failure(lines)
-    cause = f.error_line or (status or {}).get("error") or (lines[-1].strip() if lines else "no output")
+    cause = f.error_line or (status or {}).get("error") or (lines[-1].strip() if lines else lost or "no output")
     code = f.exit_code if f.exit_code is not None else rc
-    where = (f"rank {f.rank}, " if f.rank is not None else "") + f"exit code {code}" + (
-        f", {f.signal}" if f.signal else "")
+    where = ", ".join(part for part in (f"rank {f.rank}" if f.rank is not None else None,
+                                        f"exit code {code}" if code is not None else None, f.signal,
+                                        lost if lost and lost != cause else None) if part)
     if rc == 0:  # exited cleanly without saying completed: report it rather than trust it
         cause = f"the trainer exited 0 but status.json says {state or 'nothing'}"
-    return _Outcome("killed" if state == "killed" else "failed", f"{cause} ({where})", current=status is not None)
-
-
-def _stop(active: list[_Active], grace_s: float = 10.0) -> None:
-    """SIGTERM every run's process group at once (the trainer records 'killed'), SIGKILL what is left."""
-    for a in active:
-        try:
-            os.killpg(a.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    for a in active:
-        try:
-            a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(a.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            a.proc.wait()
-        a.console.close()
+    return _Outcome("killed" if state == "killed" else "failed", cause + (f" ({where})" if where else ""),
+                    current=status is not None)
 
 
 class _Progress:
