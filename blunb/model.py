@@ -2,7 +2,7 @@
 
 token embedding -> N x [RMSNorm -> wQ/wK/wV -> QK-norm + RoPE -> GQA causal attention -> wO -> +x ;
                         RMSNorm -> gate_up -> SwiGLU -> down -> +x] -> RMSNorm -> lm_head -> cross-entropy
-(chunked_ce runs the last two together in token chunks: kernels/linear_cross_entropy.py)
+(chunked_ce runs the last two together in token chunks: kernels/chunked_ce.py)
 
 Precision follows the seed: Linear weights bf16 on CUDA (fp32 on CPU), the residual
 stream, norms, embedding and logits fp32 unless one of the bf16_* flags moves that stage
@@ -20,6 +20,36 @@ import torch.nn.functional as F
 from blunb import kernels
 from blunb.config import BF16_STAGES, ModelConfig
 from blunb.kernels import linear_cross_entropy
+
+
+def _cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), asked of torch's CPU probes."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+# Without bf16 instructions oneDNN's bf16 GEMM is several times slower than fp32 (a tiny bf16 run took 3.5x
+# as long on AVX2): there the bf16 Linears multiply their bf16 values in fp32 instead (see _gemm).
+NATIVE_CPU_BF16 = _cpu_multiplies_bf16()
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight). For bf16 operands on a CPU without bf16 instructions: an fp32 GEMM of the bf16
+    values (exact conversions, exact products) rounded back to bf16, i.e. the fp32 accumulation a bf16 GEMM
+    does on the GPU's tensor cores and in oneDNN, in another summation order."""
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not NATIVE_CPU_BF16:
+        return F.linear(x.float(), weight.float()).to(torch.bfloat16)
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose GEMM goes through _gemm."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return _gemm(x, self.weight)
 
 
 def _linear_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -43,10 +73,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, hd = cfg.d_model, cfg.head_dim
-        self.wq = nn.Linear(d, cfg.q_heads * hd, bias=False, dtype=linear_dtype)
-        self.wk = nn.Linear(d, cfg.kv_heads * hd, bias=False, dtype=linear_dtype)
-        self.wv = nn.Linear(d, cfg.kv_heads * hd, bias=False, dtype=linear_dtype)
-        self.wo = nn.Linear(cfg.q_heads * hd, d, bias=False, dtype=linear_dtype)
+        self.wq = Linear(d, cfg.q_heads * hd, dtype=linear_dtype)
+        self.wk = Linear(d, cfg.kv_heads * hd, dtype=linear_dtype)
+        self.wv = Linear(d, cfg.kv_heads * hd, dtype=linear_dtype)
+        self.wo = Linear(cfg.q_heads * hd, d, dtype=linear_dtype)
         # QK-norm scales stay fp32 under every precision flag: the island computes in fp32.
         self.q_gamma = nn.Parameter(torch.ones(hd, dtype=torch.float32))
         self.k_gamma = nn.Parameter(torch.ones(hd, dtype=torch.float32))
@@ -67,8 +97,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig, linear_dtype: torch.dtype):
         super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False, dtype=linear_dtype)  # [gate|up]
-        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False, dtype=linear_dtype)
+        self.gate_up = Linear(cfg.d_model, 2 * cfg.ffn_hidden, dtype=linear_dtype)  # [gate|up]
+        self.down = Linear(cfg.ffn_hidden, cfg.d_model, dtype=linear_dtype)
 
     def forward(self, x):
         return self.down(kernels.swiglu(self.gate_up(x.to(self.gate_up.weight.dtype))))
@@ -101,8 +131,8 @@ class BLU(nn.Module):
             self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model, dtype=embed_dtype)
             self.blocks = nn.ModuleList(Block(cfg, linear_dtype, self.resid_dtype) for _ in range(cfg.n_layers))
             self.norm_f = RMSNorm(cfg.d_model, cfg.rms_eps, self.resid_dtype)
-            self.lm_head = None if cfg.weight_tying else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False,
-                                                                  dtype=linear_dtype)
+            self.lm_head = None if cfg.weight_tying else Linear(cfg.d_model, cfg.vocab_size,
+                                                               dtype=linear_dtype)
             cos, sin = kernels.rope_cache(cfg.context_length, cfg.head_dim, cfg.rope_theta, device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -163,7 +193,7 @@ class BLU(nn.Module):
         if targets is not None and self.cfg.chunked_ce:
             return None, linear_cross_entropy(x.reshape(B * T, -1), weight, targets.reshape(B * T),
                                               logit_dtype=self.logit_dtype)
-        logits = F.linear(x, weight).to(self.logit_dtype)
+        logits = _gemm(x, weight).to(self.logit_dtype)
         if targets is None:
             return logits
         loss = kernels.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import blunb.model
 from blunb.config import apply_overrides, preset
 from blunb.model import BLU
 
@@ -92,3 +93,26 @@ def test_chunked_ce_returns_the_loss_without_logits():
     assert model(idx).shape == (2, 8, 320)  # without targets: the logits, as ever
     assert model.precision_layout()["logits"] == "fp32 (chunked, never materialized)"
     assert BLU(tiny(), seed=0).precision_layout()["logits"] == "fp32"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_bf16_linears_round_the_fp32_accumulated_product(monkeypatch, native):
+    """A bf16 Linear on the CPU, by oneDNN's bf16 GEMM (native) or as an fp32 GEMM of the bf16 values (a CPU
+    without bf16 instructions): forward and both gradients within one bf16 rounding of the exact product."""
+    monkeypatch.setattr(blunb.model, "NATIVE_CPU_BF16", native)
+    torch.manual_seed(0)
+    layer = blunb.model.Linear(67, 29, dtype=torch.bfloat16)   # odd shapes
+    x = torch.randn(3, 5, 67).to(torch.bfloat16).requires_grad_()
+    out = layer(x)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert out.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
+    x64, w64, g64 = x.detach().double(), layer.weight.detach().double(), grad_out.double()
+    exact = {"out": x64 @ w64.T, "x.grad": g64 @ w64,
+             "weight.grad": g64.reshape(-1, 29).T @ x64.reshape(-1, 67)}
+    got = {"out": out, "x.grad": x.grad, "weight.grad": layer.weight.grad}
+    for name, ref in exact.items():
+        # bf16 keeps 8 significant bits: a correctly rounded result is within 2^-8 of |ref| (relative), plus
+        # fp32 accumulation error far below that; the absolute floor covers results that cancel to near 0.
+        err = (got[name].double() - ref).abs()
+        assert bool((err <= ref.abs() * 2.0 ** -8 + 1e-2).all()), (name, float(err.max()))
