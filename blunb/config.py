@@ -55,10 +55,6 @@ def _check_lr_pair(hi_name: str, hi: float, lo_name: str, lo: float) -> None:
 BF16_STAGES = ("bf16_resid", "bf16_logits", "bf16_embed")
 ALL_BF16 = "all_bf16"
 
-# Optimizer sets that step the parameters with torch's AdamW (no ZeRO-1). adamw_bf16_nomaster is
-# the precision study's counter-example: bf16 parameters and moments with no fp32 master.
-TORCH_ADAMW = ("ddp_adamw", "adamw_bf16_nomaster")
-
 # The train data orders (blunb.data.build_train_loader): "windows" a seeded permutation of the
 # split's T-token windows, fresh each epoch; "shards" the legacy one (the shard files permuted,
 # then read strided), which only reproduces runs made before data_order existed.
@@ -214,10 +210,11 @@ class TrainConfig:
             raise ConfigError(f"WSD schedule has no decay tail: warmup_steps ({self.warmup_steps}) + "
                               f"stable_steps ({self.stable_steps}) must be < max_steps ({self.max_steps})")
         # Imported here, not at the top: `import blunb.config` stays torch-free (runs, study, launch read configs).
+        from blunb.optim.build import OPTIMIZERS
         from blunb.optim.layout import COLLECTIVES, REDUCE_DTYPES
         from blunb.optim.muon import ADJUST_LR
 
-        choices = {"optimizer": ("adamw", "muon", *TORCH_ADAMW), "collective": COLLECTIVES,
+        choices = {"optimizer": tuple(OPTIMIZERS), "collective": COLLECTIVES,
                    "muon_collective": COLLECTIVES, "reduce_dtype": tuple(REDUCE_DTYPES), "muon_adjust_lr": ADJUST_LR,
                    "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
@@ -270,18 +267,17 @@ class TrainConfig:
             raise ConfigError(f"data_order must be one of {DATA_ORDERS}, got {self.data_order!r}")
         if self.muon_buckets < 1:
             raise ConfigError(f"muon_buckets must be >= 1, got {self.muon_buckets}")
-        if self.optimizer in TORCH_ADAMW:
-            # torch AdamW never reads the ZeRO-1 switches: an A/B run with one set would silently measure nothing.
+        spec = OPTIMIZERS[self.optimizer]
+        if not spec.zero_switches:
+            # e.g. torch AdamW never reads them: an A/B run with one set would silently measure nothing.
             defaults = {f.name: f.default for f in fields(TrainConfig)}
             ignored = [f"{k}={getattr(self, k)!r}" for k in _ZERO_ONLY if getattr(self, k) != defaults[k]]
             if ignored:
                 raise ConfigError(f"optimizer={self.optimizer} would ignore these ZeRO-1 switches: "
                                   f"{', '.join(ignored)}; reset them or use optimizer=adamw")
-        m = self.model
-        if self.optimizer == "adamw_bf16_nomaster" and m.linear_dtype == "fp32" and not (m.bf16_resid or m.bf16_embed):
-            raise ConfigError("optimizer=adamw_bf16_nomaster steps bf16 parameters without fp32 masters, but "
-                              "model.linear_dtype=fp32 (and neither bf16_resid nor bf16_embed) leaves every parameter "
-                              "fp32: it would be plain AdamW. Use linear_dtype=auto or bf16")
+        problem = spec.check(self) if spec.check is not None else None
+        if problem:
+            raise ConfigError(f"optimizer={self.optimizer}: {problem}")
 
     def fault_nan_grad_at(self) -> set[tuple[int, int]]:
         """The (step, rank) pairs whose gradient fault_nan_grad poisons."""
@@ -327,7 +323,7 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-# TrainConfig switches only the ZeRO-1 optimizers read (the TORCH_ADAMW optimizers reject them).
+# TrainConfig switches only the ZeRO-1 optimizers read (the others reject them: OptimizerSpec.zero_switches).
 _ZERO_ONLY = ("collective", "muon_collective", "muon_buckets", "reduce_dtype", "overlap_backward", "overlap_refresh",
               "bucket_mb", "global_clip", "global_clip_strict")
 

@@ -61,7 +61,8 @@ from blunb.data import (
 from blunb.launch import torchrun_command
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
-from blunb.optim.build import StepRecord, StepStats, build_optimizers
+from blunb.optim.build import OPTIMIZERS, build_optimizers
+from blunb.optim.interface import OptimizerSet, StepRecord, StepStats
 from blunb.optim.layout import refresh_stages
 from blunb.runs import (
     FolderLock,
@@ -287,7 +288,7 @@ class _Run:
     world_size: int
     device: torch.device
     model: BLU
-    opt: object                      # the optimizer set (blunb.optim.build's interface)
+    opt: OptimizerSet
     train_loader: WindowLoader | ShardLoader
     val_set: ValidationSet
     meter: MFUMeter
@@ -426,8 +427,9 @@ def _init_distributed(cfg: TrainConfig, device: torch.device, world_size: int) -
 def _model_config(cfg: TrainConfig):
     """The baseline a user would write keeps fp32 parameters (autocast does the bf16 compute); the
     no-master counter-example needs bf16 Linears on every device (auto is fp32 on the CPU)."""
-    if cfg.model.linear_dtype == "auto" and cfg.optimizer in ("ddp_adamw", "adamw_bf16_nomaster"):
-        return replace(cfg.model, linear_dtype="fp32" if cfg.optimizer == "ddp_adamw" else "bf16")
+    linear_dtype = OPTIMIZERS[cfg.optimizer].linear_dtype
+    if cfg.model.linear_dtype == "auto" and linear_dtype is not None:
+        return replace(cfg.model, linear_dtype=linear_dtype)
     return cfg.model
 
 
@@ -547,7 +549,7 @@ def _run_facts(cfg: TrainConfig, model: BLU, opt, device: torch.device) -> dict:
              "optimizer": described,
              "kernels": kernels.describe(device),
              "dt": "host wall-clock between step starts; no per-step device sync"}
-    if cfg.overlap_refresh and cfg.optimizer != "ddp_adamw":
+    if cfg.overlap_refresh:   # validate() allows it only where a ZeRO-1 set reads it
         names = {id(m): name or "<model>" for name, m in model.named_modules()}
         stages = refresh_stages(model)
         covered = {id(p) for _, ps in stages for p in ps}
@@ -759,8 +761,8 @@ def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord,
            "tflops_per_gpu": meter.tflops_per_gpu(dt, tps), "opt_step_ms": p.opt_timer.ms(),
            "tokens": (p.step + 1) * tps, "grad_accum": run.accum, "skipped": int(rec.skipped),
            "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
-           "global_clip_coef": rec.global_clip_coef, "ns_rejected": rec.ns_rejected,
-           "ns_rejected_total": rec.ns_rejected_total, "nsratio": rec.ns_ratio,
+           "global_clip_coef": rec.scalars.get("global_clip_coef"), "ns_rejected": rec.scalars.get("ns_rejected"),
+           "ns_rejected_total": rec.scalars.get("ns_rejected_total"), "nsratio": rec.scalars.get("ns_ratio"),
            "peak_mem_gib": p.peak_mem_gib}
     for name in rec.group_norms:
         row[f"norm_{name}"] = rec.group_norms[name]
@@ -778,10 +780,11 @@ def _step_line(step, train_loss, last_val, row, rec: StepRecord, lrs, skipped_to
             f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
     if len(rec.group_norms) > 1:
         line += "".join(f" | {k} {v:.4f}" for k, v in rec.group_norms.items())
-    if rec.global_clip_coef is not None:
-        line += f" | globalclip {rec.global_clip_coef:.4f}"
-    if rec.ns_rejected is not None:
-        line += f" | nsrej {rec.ns_rejected}/{rec.ns_rejected_total} | nsratio {rec.ns_ratio:.3f}"
+    s = rec.scalars
+    if "global_clip_coef" in s:
+        line += f" | globalclip {s['global_clip_coef']:.4f}"
+    if "ns_rejected" in s:
+        line += f" | nsrej {s['ns_rejected']}/{s['ns_rejected_total']} | nsratio {s['ns_ratio']:.3f}"
     if rec.skipped:
         bad = [k for k, v in rec.group_norms.items() if not math.isfinite(v)]
         where = f" in {', '.join(bad)}" if bad else ""
@@ -1069,7 +1072,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
                     help="steps to run (>= 3: the first steps compile and warm up, the steady figures need the "
                          "rest); rescales the WSD schedule like BLU_MAX_STEPS")
     ap.add_argument("--run-dir", help="run folder (default: results/adhoc/<preset>-<time>)")
-    ap.add_argument("--optimizer", choices=["adamw", "muon", "ddp_adamw", "adamw_bf16_nomaster"],
+    ap.add_argument("--optimizer", choices=list(OPTIMIZERS),
                     help="adamw: ZeRO-1 ShardedAdamW (default); muon: ShardedMuon body + ShardedAdamW rest; "
                          "ddp_adamw: torch DDP + AdamW baseline; adamw_bf16_nomaster: the precision study's "
                          "counter-example (torch AdamW on bf16 parameters, no fp32 masters)")

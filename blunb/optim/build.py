@@ -1,4 +1,4 @@
-"""The training loop's optimizer set: the seed's ZeRO-1 layouts, or torch DDP + AdamW as a baseline.
+"""The optimizer sets and their registry: the seed's ZeRO-1 layouts, or torch DDP + AdamW as a baseline.
 
 - "adamw": one ShardedAdamW per parameter dtype (fp32 embedding / scales, bf16 Linears on
   GPU), stepped smallest first and the largest group last (the seed's step order).
@@ -15,92 +15,37 @@
 Clipping and skipping follow blunb.optim.clip.prepare_group_step (per group, or one global
 coefficient; nan_policy "step" or "group"). Muon's orthogonalized matrices are never clipped.
 
-The interface every optimizer set implements (the training loop uses nothing else):
-    forward_model                 the module to call for the loss (DDP wrapper or the model)
-    micro_step(last) -> context   around each micro-batch's forward + backward
-    set_lr(step) -> dict          the WSD learning rates of this step ({"lr", "lr_muon"?})
-    step() -> StepStats           one optimizer step; its statistics stay on the device
-    drain()                       install any staged parameter refresh (before reading weights)
-    describe() -> dict            the start-of-run facts (precision, ZeRO variant, groups, ...)
-    groups                        [(name, optimizer, (lr_max, lr_min))]; each optimizer's
-                                  state_dict(param_names) is what blunb.checkpoint saves and loads
-    cfg                           the TrainConfig it was built from
+Every set implements blunb.optim.interface.OptimizerSet (the training loop uses nothing else).
+OPTIMIZERS maps each `optimizer` setting to its builder and what TrainConfig.validate needs to know
+of it; register() adds one (CONTRIBUTING.md, "An optimizer").
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from blunb.config import TrainConfig
 from blunb.optim.clip import prepare_group_step
+from blunb.optim.interface import Builder, OptimizerSet, StepStats
 from blunb.optim.muon import ShardedMuon, muon_param_groups
 from blunb.optim.schedule import wsd_lr
 from blunb.optim.zero_adamw import build_sharded_adamw
 
+if TYPE_CHECKING:
+    from blunb.config import TrainConfig
+
 log = logging.getLogger(__name__)
 
 _DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass
-class StepStats:
-    """One optimizer step's statistics, as device tensors: the loop copies them to the host in
-    one batched read (`values()` then `StepRecord.from_values`), never one sync per number."""
-
-    group_names: list[str]
-    norms: torch.Tensor                 # [G] gradient norm of each group (the full group, for the log)
-    clip_coefs: torch.Tensor            # [G] coefficient applied to each group (1 = unclipped or skipped)
-    skipped: torch.Tensor               # [G] 1 where the group did not step
-    global_clip_coef: torch.Tensor | None = None
-    ns_rejected: torch.Tensor | None = None        # Muon: matrix updates rejected this step
-    ns_rejected_total: torch.Tensor | None = None  # ... and over the run
-    ns_ratio: torch.Tensor | None = None           # worst accepted ||U||_F / sqrt(min(rows, cols))
-
-    def values(self) -> torch.Tensor:
-        """Everything as one fp32 vector on the device (the order StepRecord.from_values reads)."""
-        extra = [t.reshape(1).float() for t in (self.global_clip_coef, self.ns_rejected, self.ns_rejected_total,
-                                                 self.ns_ratio) if t is not None]
-        return torch.cat([self.norms.float(), self.clip_coefs.float(), self.skipped.float(), *extra])
-
-
-@dataclass
-class StepRecord:
-    """StepStats read back to the host: what the step line and metrics.csv show."""
-
-    grad_norm: float
-    group_norms: dict[str, float]
-    group_clip: dict[str, float]
-    group_skipped: dict[str, bool]
-    global_clip_coef: float | None = None
-    ns_rejected: int | None = None
-    ns_rejected_total: int | None = None
-    ns_ratio: float | None = None
-    skipped_groups: list[str] = field(default_factory=list)
-
-    @property
-    def skipped(self) -> bool:
-        """The step changed nothing in at least one group."""
-        return bool(self.skipped_groups)
-
-    @classmethod
-    def from_values(cls, stats: StepStats, values: list[float]) -> "StepRecord":
-        names, n = stats.group_names, len(stats.group_names)
-        norms, coefs, skipped, rest = values[:n], values[n:2 * n], values[2 * n:3 * n], list(values[3 * n:])
-        rec = cls(grad_norm=math.sqrt(sum(v * v for v in norms)), group_norms=dict(zip(names, norms)),
-                  group_clip=dict(zip(names, coefs)), group_skipped={k: bool(s) for k, s in zip(names, skipped)},
-                  skipped_groups=[k for k, s in zip(names, skipped) if s])
-        if stats.global_clip_coef is not None:
-            rec.global_clip_coef = rest.pop(0)
-        if stats.ns_rejected is not None:
-            rec.ns_rejected, rec.ns_rejected_total, rec.ns_ratio = int(rest[0]), int(rest[1]), rest[2]
-        return rec
 
 
 def _clip_stats_vectors(opts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,15 +152,15 @@ class NoMasterAdamW(DDPAdamW):
 
 
 class ZeroOptimizers:
-    """The ZeRO-1 groups ("adamw" or "muon"), stepped in the seed's order."""
+    """The ZeRO-1 groups (AdamW per dtype, with `muon` the body on ShardedMuon), stepped in the seed's order."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int, muon: bool = False):
         self.cfg = cfg
         self.forward_model = model
         self.world_size = world_size
         adamw_params = list(model.parameters())
         self.muon = None
-        if cfg.optimizer == "muon":
+        if muon:
             muon_group = muon_param_groups(model)[0]["params"]
             self.muon = ShardedMuon([{"params": muon_group, "use_muon": True}], lr=cfg.muon_lr,
                                     momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
@@ -262,7 +207,7 @@ class ZeroOptimizers:
         if self.muon is not None:
             facts["muon"] = {"lr_max": c.muon_lr, "lr_min": c.muon_min_lr, "momentum": c.muon_momentum,
                              "nesterov": True, "ns_steps": c.muon_ns_steps, "weight_decay": c.muon_weight_decay,
-                             "adjust_lr": c.muon_adjust_lr, "matrices": len(self.muon._muon_params),
+                             "adjust_lr": c.muon_adjust_lr, "matrices": self.muon.num_matrices(),
                              "comm_buffer_bytes": self.muon.comm_buffer_bytes()}
         return facts
 
@@ -288,11 +233,10 @@ class ZeroOptimizers:
         for opt in opts:
             opt.step()
         norms, coefs, skipped = _clip_stats_vectors(opts)
-        stats = StepStats([name for name, _, _ in self.groups], norms, coefs, skipped,
-                          global_clip_coef=gclip.clip_coef if gclip is not None else None)
+        scalars = {"global_clip_coef": gclip.clip_coef} if gclip is not None else {}
         if self.muon is not None:
-            stats.ns_rejected, stats.ns_rejected_total = self.muon._rejected_last, self.muon._rejected_total
-            stats.ns_ratio = self.muon._ratio_last
+            scalars.update(self.muon.step_stats())
+        stats = StepStats([name for name, _, _ in self.groups], norms, coefs, skipped, scalars)
         for opt in opts:  # keep the flat-buffer views: every BLU parameter gets a gradient each step
             opt.zero_grad(set_to_none=False)
         return stats
@@ -302,10 +246,38 @@ class ZeroOptimizers:
             opt.drain_refresh()
 
 
-def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int):
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A registered optimizer set: its builder and what TrainConfig.validate and setup read of it."""
+
+    build: Builder
+    zero_switches: bool = False     # reads the ZeRO-1 switches (config._ZERO_ONLY); otherwise validate refuses them
+    linear_dtype: str | None = None  # what model.linear_dtype=auto becomes under it (None: the model's own choice)
+    check: Callable[[TrainConfig], str | None] | None = None   # why a config cannot work with it, or None
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register(name: str, build: Builder, **spec) -> None:
+    """Make `build` the optimizer set of optimizer=<name> (spec: OptimizerSpec's other fields)."""
+    OPTIMIZERS[name] = OptimizerSpec(build, **spec)
+
+
+def _bf16_params(cfg: TrainConfig) -> str | None:
+    m = cfg.model
+    if m.linear_dtype == "fp32" and not (m.bf16_resid or m.bf16_embed):
+        return ("it steps bf16 parameters without fp32 masters, but model.linear_dtype=fp32 (and neither bf16_resid "
+                "nor bf16_embed) leaves every parameter fp32: it would be plain AdamW. Use linear_dtype=auto or bf16")
+    return None
+
+
+register("adamw", ZeroOptimizers, zero_switches=True)
+register("muon", functools.partial(ZeroOptimizers, muon=True), zero_switches=True)
+register("ddp_adamw", DDPAdamW, linear_dtype="fp32")
+register("adamw_bf16_nomaster", NoMasterAdamW, linear_dtype="bf16", check=_bf16_params)
+
+
+def build_optimizers(model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int) -> OptimizerSet:
     """The optimizer set for cfg.optimizer (cfg.validate has rejected impossible combinations)."""
-    if cfg.optimizer == "ddp_adamw":
-        return DDPAdamW(model, cfg, device, world_size)
-    if cfg.optimizer == "adamw_bf16_nomaster":
-        return NoMasterAdamW(model, cfg, device, world_size)
-    return ZeroOptimizers(model, cfg, device, world_size)
+    return OPTIMIZERS[cfg.optimizer].build(model, cfg, device, world_size)

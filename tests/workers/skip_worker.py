@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from blunb.config import apply_overrides, preset
 from blunb.model import BLU
-from blunb.optim.build import DDPAdamW, StepRecord, build_optimizers
+from blunb.optim.build import DDPAdamW, build_optimizers
+from blunb.optim.interface import StepRecord
 from blunb.optim.zero_adamw import ShardedAdamW
 from blunb.train import _poison_next_forward
 
