@@ -13,6 +13,8 @@ Triton kernels slot in there.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,7 +25,11 @@ from blunb.kernels import linear_cross_entropy
 
 
 def _cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), asked of torch's CPU probes."""
+    """Whether oneDNN multiplies bf16 in hardware here: the CPU has AVX512-BF16 or AMX (torch's CPU probes)
+    and ONEDNN_MAX_CPU_ISA, when set, does not cap oneDNN below them."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if not any(isa in cap for isa in ("ALL", "BF16", "FP16", "AMX", "AVX10")):
+        return False
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(probe() for probe in probes if probe is not None)
 
