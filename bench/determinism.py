@@ -265,7 +265,7 @@ def step0_probes(preset_name: str, quick: bool) -> list[Variant]:
 def bisection_probes(preset_name: str, muon: bool, adamw: bool) -> list[Variant]:
     """only:<op> (that op on auto, every other on torch) for each op whose auto choice can be Triton, then
     off:<op> (that op alone on torch); syrk (Newton-Schulz) under Muon only."""
-    ops = [op for op in kernels.OPS if kernels._fused(op) is not None and getattr(kernels._fused(op), "AUTO", True)]
+    ops = [op for op in kernels.OPS if kernels.has_auto_kernel(op)]
     plans = [(op, []) for op in ops if op != "syrk"] if adamw else []
     plans += [("syrk", ["optimizer=muon"])] if muon and "syrk" in ops else []
     out = []

@@ -1,6 +1,6 @@
 """The ZeRO-1 overlap grid on W GPUs in one launch: every overlap x layout x reduce-dtype variant of
 both optimizer sets plus torch's baselines, same model, same batches. Writes the measured CSV that
-blunb.overlap.load_measured (notebooks/12_overlap.ipynb, section 4) reads.
+blunb.studies.overlap.load_measured (notebooks/12_overlap.ipynb, section 4) reads.
 
     PYTHONPATH=. torchrun --standalone --nproc_per_node=2 bench/overlap_grid.py --preset 1b \\
         --out results/overlap/multi_gpu_1b_w2.csv
@@ -13,7 +13,7 @@ blunb.overlap.load_measured (notebooks/12_overlap.ipynb, section 4) reads.
   ddp_adamw       the trainer's optimizer=ddp_adamw: torch DDP + fused AdamW, fp32 params, autocast bf16
   torch_zero      torch ZeroRedundancyOptimizer + DDP on the model's own dtypes (bench/zero.py's)
   <opt>.<tokens>  the trainer's ZeRO-1 set for optimizer=adamw|muon (build_optimizers on the preset's
-                  TrainConfig), named as the equivalence study's arms (blunb.overlap.SWITCHES): ob
+                  TrainConfig), named as the equivalence study's arms (blunb.studies.overlap.SWITCHES): ob
                   overlap_backward, or overlap_refresh, rb collective=reduce_bcast (the AdamW groups), mrb
                   muon_collective=reduce_bcast (the Muon group), fp32 / bf16 reduce_dtype; "serial": none.
 The default grid, per optimizer: {serial, ob, or, ob+or} x {rs_ag, reduce_bcast} x {param, fp32, bf16}
@@ -36,7 +36,7 @@ stand in; all ranks at once load the host as the W-rank run does); the mean over
 speedup_vs_w1 = tok/s / W=1 tok/s (muon rows against muon, the rest against adamw) and
 scaling_efficiency = speedup / W. step_vs_ddp = step_ms / ddp_adamw's step_ms.
 
-Columns: blunb.overlap.MEASURED_KEYS, step_ms, device, torch (load_measured's), then variant,
+Columns: blunb.studies.overlap.MEASURED_KEYS, step_ms, device, torch (load_measured's), then variant,
 tok_per_s, tok_per_s_per_gpu, mfu, mfu_palm, peak_mem_gib, loss_last, comm_ms, exposed_comm_ms,
 w1_tok_per_s, speedup_vs_w1, scaling_efficiency, step_vs_ddp, warmup_steps, timed_steps,
 profiled_steps, cuda, nccl, date. Baseline rows say what torch does: collective all_reduce
@@ -68,7 +68,7 @@ from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim.build import build_optimizers
-from blunb.overlap import MEASURED_KEYS, MIB, SWITCHES, arm_name, arm_tokens
+from blunb.studies.overlap import MEASURED_KEYS, MIB, SWITCHES, arm_name, arm_tokens
 from blunb.train import _init_distributed, _model_config
 
 log = logging.getLogger("overlap_grid")

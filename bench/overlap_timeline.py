@@ -1,4 +1,4 @@
-"""One-GPU compute timelines for the overlap study (notebooks/12_overlap.ipynb, blunb/overlap.py).
+"""One-GPU compute timelines for the overlap study (notebooks/12_overlap.ipynb, blunb/studies/overlap.py).
 
     PYTHONPATH=. python3 bench/overlap_timeline.py                 # 1b and seed-4b on one GPU -> results/overlap/
     PYTHONPATH=. python3 bench/overlap_timeline.py --device cpu --presets tiny --out /tmp/ovl   # smoke test
@@ -6,7 +6,7 @@
 Per preset and optimizer set (adamw, muon), `warmup + iters` steps of one micro-batch at the preset's
 B x T (random tokens) with the trainer's own optimizer set at W = 1 (no process group): when each
 parameter's gradient is ready in the backward and when each refresh stage is first needed in the
-forward (CUDA events from autograd hooks, blunb.overlap.measure_timeline), forward / backward /
+forward (CUDA events from autograd hooks, blunb.studies.overlap.measure_timeline), forward / backward /
 optimizer-step times and peak memory. When a preset does not fit, B is halved until it does (the rows
 say which B ran). Also the collective units of every layout at W = 2, 4, 8, 16 (buckets.csv; parameter
 shapes only). Writes backward_timeline.csv, forward_timeline.csv, compute.csv, buckets.csv and
@@ -26,9 +26,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from blunb import overlap
 from blunb.config import preset
 from blunb.runs import environment
+from blunb.studies import overlap
 
 
 def timelines_that_fit(name: str, optimizer: str, device: torch.device, args, notes: list[str]):

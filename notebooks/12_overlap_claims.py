@@ -7,7 +7,7 @@ visible diff of this file. The reference is the seed trainer's text (/work/share
 main() holds the overlap, bucket and reduce-dtype comments).
 
 Three kinds of evidence: real gloo runs on the CPU (equivalence: bit-level, so `exact`); the
-communication MODEL of blunb/overlap.py applied to the presets' shapes (layouts, bytes, calls:
+communication MODEL of blunb/studies/overlap.py applied to the presets' shapes (layouts, bytes, calls:
 `exact` on a derived number, with a band where the seed gives a magnitude); the model over the H200
 timelines (exposure, time). The seed's memory figures come from its own model (a d2048 body of
 1.62B parameters under weight tying, see the constants below), not seed-4b's shapes, so they are

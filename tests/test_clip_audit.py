@@ -1,10 +1,13 @@
-"""blunb.clip_audit on hand-made metrics, and the Adam replay against cases with known answers."""
+"""blunb.studies.clip_audit on hand-made metrics, and the Adam replay against cases with known answers."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from blunb.clip_audit import (
+from blunb.config import preset
+from blunb.model import BLU
+from blunb.optim.muon import muon_param_groups
+from blunb.studies.clip_audit import (
     SEED_BODY_RATIOS,
     adam_replay_distortion,
     body_group,
@@ -18,9 +21,6 @@ from blunb.clip_audit import (
     window_ratio_log_error,
     wsd_phase,
 )
-from blunb.config import preset
-from blunb.model import BLU
-from blunb.optim.muon import muon_param_groups
 
 CONFIG = {"warmup_steps": 2, "stable_steps": 5, "max_steps": 10}
 

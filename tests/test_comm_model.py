@@ -1,4 +1,4 @@
-"""blunb.overlap: the layouts against the optimizers' own, hand-checked collective times and exposures,
+"""blunb.studies.overlap: the layouts against the optimizers' own, hand-checked collective times and exposures,
 the equivalence table on hand-made run folders, and bench/overlap_timeline.py's CPU smoke mode."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from blunb import overlap
 from blunb.config import apply_overrides, preset
 from blunb.model import BLU
 from blunb.optim.build import build_optimizers
 from blunb.optim.muon import ShardedMuon
+from blunb.studies import overlap
 from tests.distributed import REPO
 
 

@@ -62,7 +62,8 @@ def test_the_estimate_is_not_below_what_a_real_run_takes(tmp_path):
     ensure_default_corpus(progress=False)  # preparing the corpus in the run's process would count its memory too
     script = ("import re, sys; from blunb.train import main\n"
               "try:\n    main(sys.argv[1:])\n"
-              "finally:\n    print('maxrss_kib', re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1])")
+              "finally:\n    status = open('/proc/self/status').read()\n"
+              "    print('maxrss_kib', re.search(r'VmHWM:\\s+(\\d+) kB', status)[1])")
     proc = subprocess.run([sys.executable, "-c", script, "--max-steps", "6", "--run-dir", str(tmp_path / "run")],
                           capture_output=True, text=True, env=ENV, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """bench/overlap_grid.py: the exposed-communication interval arithmetic, the kernel filter on a
 synthetic profiler trace, bad input rejected before any work, and a real W = 2 gloo launch (--smoke)
-whose CSV blunb.overlap.load_measured (the overlap notebook's section 4) reads."""
+whose CSV blunb.studies.overlap.load_measured (the overlap notebook's section 4) reads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from bench.overlap_grid import comm_ms, default_grid, exposed_time, main, merge
-from blunb.overlap import MEASURED_KEYS, load_measured
+from blunb.studies.overlap import MEASURED_KEYS, load_measured
 from tests.distributed import REPO, torchrun
 
 SCRIPT = REPO / "bench" / "overlap_grid.py"

@@ -1,5 +1,5 @@
 """The precision study's switches and instruments: all_bf16, the no-master counter-example, and the
-arithmetic behind the seed's precision claims (blunb.precision)."""
+arithmetic behind the seed's precision claims (blunb.studies.precision)."""
 
 import json
 import logging
@@ -12,7 +12,7 @@ import torch
 from blunb.config import BF16_STAGES, ConfigError, apply_overrides, preset
 from blunb.model import BLU
 from blunb.optim.build import NoMasterAdamW, build_optimizers
-from blunb.precision import (
+from blunb.studies.precision import (
     bf16_ulp,
     decay_moved_fraction,
     decay_only,
@@ -130,7 +130,7 @@ def test_counter_example_run_folder_says_what_it_is(tmp_path):
     assert "COUNTER-EXAMPLE" in (tmp_path / "run" / "log.txt").read_text()
 
 
-# ---------------------------------------------------------------- blunb.precision
+# ---------------------------------------------------------------- blunb.studies.precision
 
 
 def test_bf16_grid():

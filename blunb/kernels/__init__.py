@@ -105,6 +105,11 @@ def _resolve(op: str, backend: str | None, x: torch.Tensor, args) -> str:
     return backend
 
 
+def has_auto_kernel(op: str) -> bool:
+    """Whether the auto backend may pick a Triton kernel for `op` on CUDA (one is installed and not AUTO = False)."""
+    return _auto_module(op, True) is not None
+
+
 def backend_for(op: str, *args, backend: str | None = None) -> str:
     """"torch" or "triton": the backend kernels.<op>(*args, backend=backend) runs (args: the op's own, the
     first a tensor), for callers that pick their own path by it (ShardedAdamW's shard update)."""

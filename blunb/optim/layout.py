@@ -1,7 +1,7 @@
 """The ZeRO-1 layouts, planned from parameter shapes, dtypes and order alone.
 
 Pure functions (no tensors are allocated, nothing is communicated): ShardedAdamW and ShardedMuon
-build their buffers and hooks from these plans, and blunb.overlap's communication model derives
+build their buffers and hooks from these plans, and blunb.studies.overlap's communication model derives
 its collective units from the same calls, so the model cannot drift from the optimizers.
 
   backward_buckets   ShardedAdamW's reduce buckets (whole tensors in backward order, capped)

@@ -128,7 +128,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
         self._build_layout(bucket_mb)
         # the fused shard update (the CUDA default) or torch._fused_adamw_ per segment (kernels adamw=torch)
-        self._fused = kernels._resolve("adamw", None, plist[0], ()) == "triton"
+        self._fused = kernels.backend_for("adamw", plist[0]) == "triton"
         self._allocate(reduce_dtype)
         self._build_update_lists()
 
@@ -262,7 +262,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     fused_segments.append((sa, lo + a, z - a, i, decays))
             self._segments.append(segs)
             shard_start += c
-        self._fused_table = kernels._fused("adamw").block_table(fused_segments, self.device) if self._fused else None
+        self._fused_table = kernels.adamw_block_table(fused_segments, self.device) if self._fused else None
         self._red_chunks = red_chunks
         self._param_chunks = [self._chunk_view(self._flat_param, b, r) for b in range(len(self._buckets))]
         self._master_chunks = [self._shard_chunk(self._master, b) for b in range(len(self._buckets))]
@@ -395,10 +395,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._grad_stage = self._new_grad_stage()
             self._build_update_lists()
         if fused:
-            kernels._fused("adamw").adamw_update_(
+            kernels.adamw_update_(  # backend "triton": the choice made at construction (self._fused)
                 self._master, self._exp_avg, self._exp_avg_sq, self._flat_red, self._flat_param, self._steps,
                 self._fused_table, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                weight_decay=g["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+                weight_decay=g["weight_decay"], grad_scale=grad_scale, found_inf=found_inf, backend="triton")
         for b, segs in enumerate(self._segments if not fused else []):
             if self._grad_stage is not None:
                 self._grad_stage[: self._bucket_chunk[b]].copy_(self._red_chunks[b])
