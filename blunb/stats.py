@@ -173,6 +173,39 @@ def paired_tost(a, b, margin: float, alpha: float = 0.05) -> Tost:
     return Tost(ci.estimate, ci.lo, ci.hi, p, margin, alpha, ci.n, bool(p < alpha))
 
 
+def tost_power(n: int, sd: float, margin: float, alpha: float = 0.05, true_diff: float = 0.0) -> float:
+    """The chance that paired_tost over n pairs declares equivalence when the pairs' differences are
+    normal with mean true_diff and standard deviation sd: the two one-sided tests' powers from the
+    noncentral t (scipy.stats.nct), combined as P1 + P2 - 1, a lower bound (exact as both approach 1),
+    so a plan built on it errs towards more seeds."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n must be an integer >= 2 (pairs), got {n!r}")
+    if not sd > 0 or not math.isfinite(sd):
+        raise ValueError(f"sd must be a finite number > 0, got {sd}")
+    if not margin > abs(true_diff) or not math.isfinite(margin):
+        raise ValueError(f"margin must be finite and larger than |true_diff| ({abs(true_diff)}), got {margin}")
+    if not 0 < alpha < 0.5:
+        raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
+    df, se = n - 1, sd / math.sqrt(n)
+    t_crit = sps.t.ppf(1 - alpha, df)
+    rejects_low = sps.nct.sf(t_crit, df, (true_diff + margin) / se)    # H0: mean <= -margin
+    rejects_high = sps.nct.sf(t_crit, df, (margin - true_diff) / se)   # H0: mean >= +margin
+    return float(max(0.0, rejects_low + rejects_high - 1.0))
+
+
+def pairs_for_tost(sd: float, margin: float, alpha: float = 0.05, power: float = 0.8, true_diff: float = 0.0,
+                   most: int = 10_000) -> int:
+    """The fewest pairs (>= 2) whose tost_power reaches `power`; ValueError beyond `most`."""
+    if not 0 < power < 1:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    n = 2
+    while tost_power(n, sd, margin, alpha, true_diff) < power:
+        n += 1
+        if n > most:
+            raise ValueError(f"more than {most} pairs for power {power} at sd {sd} and margin {margin}")
+    return n
+
+
 def ratio_ci(a, b, confidence: float = 0.95, paired: bool = True) -> Interval:
     """a / b on the log scale: exp of the mean of log a - log b (the geometric-mean ratio) and exp
     of its t interval: paired (pair i is a[i] / b[i]) or, with paired=False, Welch's interval of

@@ -21,11 +21,18 @@ Tolerances, stated once:
 import math
 
 from blunb.claims import Claim
+from blunb.stats import pairs_for_tost
 
 FACTOR = 2.0
 AB_MARGIN_NATS = 0.02
 AB_SEEDS = 6
 BAND_SEEDS = 3
+# The spread of the A/B pairs' final-val-loss differences in the committed 124m runs of 2026-12-01 (results/
+# clipping/summary.csv at commit 87bd736: 240 steps, 3 pairs, two of them reading the same data), and the pairs
+# a TOST at AB_MARGIN_NATS needs for 80% power at alpha 0.05 if the GPU_SCALE runs spread as much (adamw 36,
+# muon 3): the first AB_SEEDS pairs re-estimate the spread, which decides how many more the runner adds.
+PILOT_PAIRED_SD = {"adamw": 0.040, "muon": 0.0063}
+PAIRS_FOR_POWER = {opt: pairs_for_tost(sd, AB_MARGIN_NATS) for opt, sd in PILOT_PAIRED_SD.items()}
 
 # The reference's numbers (bluscript.cpp, main(): the global-clipping comment).
 SEED_WINDOW_RATIOS = (4.4, 2.4, 16.2, 17.2)   # G0 (body) / G1 (fp32) over steps 0-199, 800-999, 1400-1599, 1800-1999
@@ -144,4 +151,5 @@ GPU_SCALE = {
     "seeds": {"adamw-per_group": AB_SEEDS, "adamw-global": AB_SEEDS, "muon-per_group": AB_SEEDS,
               "muon-global_strict": AB_SEEDS, "adamw-none": 1, "muon-none": 1, "muon-global": 1},
     "pairing": "seed k of every arm uses data_seed k (the A/B pairs share their data)",
+    "power": {f"{opt} A/B pairs for 80% power at the pilot's spread": n for opt, n in PAIRS_FOR_POWER.items()},
 }

@@ -19,12 +19,17 @@ Arms pair by seed: seed k of every arm uses data_seed k and init seed k.
 import math
 
 from blunb.claims import Claim
+from blunb.stats import pairs_for_tost
 
 MARGIN_NATS = 0.02
 LOSS_SEEDS = 4
 MEMORY_TOLERANCE = 0.25
 SEED_LR, SEED_WD = 6e-4, 0.1      # ModelConfig: max_lr, weight_decay
 SEED_LOSS_ULP = 0.0625            # bf16's spacing in [8, 16): the reference's loss near 10.8
+# bf16_logits - fp32_layout in the committed 124m runs (results/precision/summary.csv at commit 87bd736: 2 pairs,
+# a spread that rough): the pairs a TOST at MARGIN_NATS needs for 80% power at alpha 0.05 if it holds (2).
+PILOT_PAIRED_SD = 0.0026
+PAIRS_FOR_POWER = pairs_for_tost(PILOT_PAIRED_SD, MARGIN_NATS)
 
 _BLOCK = "bluscript.cpp ModelConfig, 'activation / parameter precision' block"
 _MAIN = "bluscript.cpp main(): the BLU_ALL_BF16 wiring"
@@ -142,5 +147,6 @@ GPU_SCALE = {
     "arms": ["fp32_layout", "bf16_resid", "bf16_logits", "bf16_embed", "all_bf16", "no_fp32_master"],
     "seeds_per_arm": LOSS_SEEDS,
     "pairing": "seed k of every arm uses data_seed k",
+    "power": f"bf16_logits TOST: {PAIRS_FOR_POWER} pairs for 80% power at the pilot's spread ({LOSS_SEEDS} run)",
     "no_master_decay": "2000 steps: exact decay alone shrinks ||w|| to 0.902 (-9.8%), the last 400 steps -1.3%",
 }

@@ -18,7 +18,9 @@ from blunb.stats import (
     mean_ci,
     paired_diff_ci,
     paired_tost,
+    pairs_for_tost,
     ratio_ci,
+    tost_power,
 )
 
 # Two-sided Student t critical values (standard tables): (confidence, df) -> t.
@@ -233,3 +235,29 @@ def test_matched_step_difference_one_seed_has_no_noise_floor_and_bad_input_is_na
     apart = pd.DataFrame(_long("a", 0, {0: 5.0}) + _long("b", 0, {1: 5.0}))
     with pytest.raises(ValueError, match="no step with 'val_loss' in common"):
         matched_step_difference(apart, "a", "b")
+
+
+@pytest.mark.parametrize("n, sd, margin, true_diff", [(8, 1.0, 1.2, 0.0), (5, 0.5, 1.0, 0.2), (20, 1.0, 0.6, 0.0)])
+def test_tost_power_is_a_lower_bound_of_the_simulated_rate_and_close_to_it(n, sd, margin, true_diff):
+    """Against paired_tost itself on simulated experiments: the bound never exceeds the simulated rate by
+    more than its sampling error, and is within 0.06 of it (P1 + P2 - 1 is tight when the power is high)."""
+    rng = np.random.default_rng(0)
+    trials = 4000
+    hits = sum(paired_tost(rng.normal(true_diff, sd, n), np.zeros(n), margin).equivalent for _ in range(trials))
+    rate = hits / trials
+    bound = tost_power(n, sd, margin, true_diff=true_diff)
+    assert bound <= rate + 3 * math.sqrt(rate * (1 - rate) / trials) + 1e-9, (bound, rate)
+    assert rate - bound < 0.06, (bound, rate)
+
+
+def test_pairs_for_tost_is_the_fewest_reaching_the_power():
+    n = pairs_for_tost(0.04, 0.02)
+    assert tost_power(n, 0.04, 0.02) >= 0.8 > tost_power(n - 1, 0.04, 0.02)
+    assert pairs_for_tost(0.001, 0.02) == 2  # a spread far inside the margin: the fewest a t test takes
+    assert pairs_for_tost(0.04, 0.02, power=0.9) > n
+    with pytest.raises(ValueError, match="more than 50 pairs"):
+        pairs_for_tost(1.0, 0.02, most=50)
+    with pytest.raises(ValueError, match="margin must be finite and larger than"):
+        tost_power(6, 0.04, 0.02, true_diff=0.03)
+    with pytest.raises(ValueError, match="n must be an integer >= 2"):
+        tost_power(1, 0.04, 0.02)
