@@ -103,6 +103,7 @@ log = logging.getLogger("blunb.study")  # not __name__: it is "__main__" under p
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")  # one folder name, no path tricks
 _POLL_S = 0.5
 _LOG_EVERY_S = 30.0
+_RECANCEL_S = 5.0     # the cancel is sent again this often while a cancelled job is still going
 _JOB_GRACE_S = 60.0  # a cancelled job's run gets this long to stop (a queue's cancel takes a while to land)
 SUMMARY_COLUMNS = ["arm", "seed", "run", "status", "action", "error", "steps_done", "steps_total",
                    "final_val_loss", "best_val_loss", "final_train_loss", "steady_tok_per_sec", "steady_mfu",
@@ -434,15 +435,24 @@ class _JobLauncher:
     def stop(self, active: list[_Active], grace_s: float = _JOB_GRACE_S) -> None:
         """Cancel every job, then wait (up to grace_s) until each has ended and its run no longer says
         running: the study's lock is let go only once its runs have stopped, as locally."""
-        for a in active:
-            try:
-                a.handle.job.cancel(check=False)
-            except Exception as err:  # an unreachable scheduler must not hide the interrupt
-                log.warning(f"{self.study.name}: could not cancel job {a.handle.job.job_id} ({a.plan.name}): {err}")
+        def cancel(jobs: list[_Active], warn: bool) -> None:
+            for a in jobs:
+                try:
+                    a.handle.job.cancel(check=False)
+                except Exception as err:  # an unreachable scheduler must not hide the interrupt
+                    if warn:
+                        log.warning(f"{self.study.name}: could not cancel job {a.handle.job.job_id} ({a.plan.name}): "
+                                    f"{err}")
+
+        cancel(active, warn=True)
         deadline = time.monotonic() + grace_s
+        recancel_at = time.monotonic() + _RECANCEL_S
         going = list(active)
         while going and time.monotonic() < deadline:
             going = [a for a in going if not _job_stopped(a)]
+            if going and time.monotonic() >= recancel_at:  # a cancel can be lost (a job still starting up)
+                cancel(going, warn=False)
+                recancel_at = time.monotonic() + _RECANCEL_S
             if going:
                 time.sleep(_POLL_S)
         if going:

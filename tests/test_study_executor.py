@@ -116,11 +116,23 @@ def test_an_interrupted_study_cancels_its_jobs_and_their_runs_stop(tmp_path, mon
         study.run()
 
     ((_, _, job),) = calls
-    assert job.done()
+    assert job.done(), _signal_dispositions(job)
     status = read_status(run_dir)
     assert status["state"] == "killed" and "stopped by SIG" in status["error"] and status["steps_done"] < 300, status
     assert not any(process_alive(p) for p in status.get("processes", []))
     assert not (run_dir / LOCK_NAME).exists() and not (tmp_path / "stop" / LOCK_NAME).exists()
+
+
+def _signal_dispositions(job) -> str:
+    """What a still-running job's controller does with signals (a SIGINT it ignores or blocks explains why
+    the cancel did not land): its /proc status lines."""
+    pid = getattr(getattr(job, "_process", None), "pid", None)
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+    except (OSError, TypeError):
+        return f"job {job.job_id}: no /proc status for pid {pid}"
+    return f"job {job.job_id} (pid {pid}) still running: " + "; ".join(
+        line for line in lines if line.startswith(("State", "SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")))
 
 
 class _NotSubmitit:
