@@ -1,40 +1,14 @@
 """Distributed checkpoints of a training run (torch.distributed.checkpoint, DCP): save, find, check, load.
 
-On disk, one folder per checkpoint, N being the next step to run:
+Built so that a folder is either a whole checkpoint or visibly not one: a save goes into a temporary
+folder that is renamed only once every rank has finished and blunb's record (every file's size and
+sha256) is on disk, and a folder counts as valid only when that record, the files and DCP's metadata
+agree. The optimizer state is saved per parameter, keyed by the model's names, so a checkpoint saved at
+one world size resumes at any other. Every function that takes an optimizer set is collective: every
+rank calls it.
 
-    <run_dir>/checkpoints/step_<N>/
-        .metadata, __<r>_<i>.distcp DCP's index and each rank's data files
-        checkpoint.json             blunb's record, written last: step, optimizer kind and groups,
-                                    world size, config, extra, time, and every file with its size
-                                    and its sha256 (read back from disk after the write)
-    <run_dir>/checkpoints/.invalid/ checkpoints found corrupt, moved aside (never deleted)
-
-A save writes into `.step_<N>.tmp/` and rank 0 renames it to `step_<N>` only once every rank has
-finished and checkpoint.json is on disk, so a run killed mid-save leaves a `.tmp` folder, never a
-`step_<N>` that looks finished (a kill that reaches the save itself removes the `.tmp` folder on
-its way out). A folder is a valid checkpoint when checkpoint.json is complete, every file it lists
-has the recorded size and sha256, DCP's .metadata reads and holds data for every key, the model's
-shapes match, and the payload's own step counter equals the record's step.
-
-What the DCP state holds (keys flattened with "."):
-
-    model.<fqn>                  the weights; replicated, so DCP writes them once
-    optim.<fqn>.<field>          the ZeRO optimizers' state per parameter, keyed by the model's FQN:
-                                 each element written by the one rank that owns it, each rank reading
-                                 back exactly its new slices, so a checkpoint resumes at any world
-                                 size, collective, bucket size or dtype grouping
-    optim_groups.<group>.*       each ZeRO group's kind and counters (skipped steps, ...)
-    torch_optim.<group>.*        a plain torch optimizer's state (DDPAdamW): replicated, written once
-    rank_state.<r>               rank r's RNG states and data-loader positions (one pickled blob)
-    step                         the step of the save (an int64 scalar), checked against checkpoint.json
-
-Every function that takes an optimizer set is collective: every rank calls it. find_resume and
-validate only read files (find_resume's clean-up of unfinished saves and its quarantine of corrupt
-checkpoints run on global rank 0 only).
-
-Weights alone: load_weights() loads only `model.*` and re-seeds the optimizers' fp32 masters from
-them (resync_masters); a master left stale would silently revert the weights at the next step.
-Anything else that changes the weights in place must call resync_masters(opt_set) itself.
+Details (the layout on disk, validity, the DCP keys, weights-only loads): docs/architecture.md, section
+"blunb/checkpoint.py".
 """
 
 from __future__ import annotations

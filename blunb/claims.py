@@ -1,26 +1,12 @@
 """Declared claims: each study's spec file states, before its runs, what it tests and how it can fail.
 
-A spec is a Python file beside its notebook (notebooks/10_clipping_claims.py, ...) defining
-`CLAIMS: list[Claim]` and `GPU_SCALE: dict` (what the GPU runs will be: preset, steps, schedule,
-seeds per arm, tokens per step, corpus) and any constant a claim needs fixed before the runs. The
-notebook computes one `Evidence` per claim from its run folders and `evaluate(spec, evidence)`
-turns them into the claims table, one row per claim:
+A claim is declared with the criterion that decides it (notebooks/<study>_claims.py, committed before
+the GPU runs), so a verdict cannot be fitted to the results afterwards: the notebook only computes one
+`Evidence` per claim from its run folders, and `evaluate(spec, evidence)` applies the declared rules,
+one row per claim, into claims.csv. The rules are conservative by design: a wide interval never passes,
+and a criterion is never read off the arms' own spread.
 
-    spec = load_spec("10_clipping_claims.py")
-    table = evaluate(spec, {"clip.ab_equivalent.muon": Evidence.of(paired_tost(a, b, margin), detail)})
-
-The rules (a wide interval never passes; a criterion is never read off the arms' own spread):
-- tost: pass iff the (1 - 2*alpha) interval lies inside [-margin, +margin], fail iff it lies
-  entirely outside, else inconclusive;
-- band, ratio_ci, diff_ci: pass iff the interval lies inside the band, fail iff it is disjoint
-  from it, else inconclusive (a one-sided claim has +-inf on its open side);
-- exact (a number without sampling error, e.g. a byte count or a parameter count): pass iff the
-  estimate lies inside the band, else fail;
-- fewer than min_seeds seeds or pairs behind the evidence: "too few seeds";
-- n/a: a claim this setup cannot test (its na_reason says why), or evidence that says this run
-  could not measure it (Evidence.na_reason, e.g. CUDA memory on a CPU run). A claim with a band of
-  None and an na_reason is descriptive: its evidence is shown, with no verdict.
-verdict: True for pass, "n/a" for n/a, False otherwise (a claim that is not shown to hold does not).
+Details (the spec file, an example, the verdict rules): docs/architecture.md, section "blunb/claims.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Token shards, corpus preparation and the per-rank loader.
 
-Shards use the llm.c / modded-nanogpt `.bin` format, so real FineWeb shards work as-is:
-a header of 256 int32 (magic 20240520, version 1, token count, zeros) then uint16 tokens.
-
-Corpora need no network: `stdlib` (the default: the running Python's standard-library source,
-24 MB), `site-packages` (every .py file of its installed packages, deduplicated by content; with
-`+headers` also their C/C++ headers) or a folder of text files. Each is tokenized with a
-tokenizer from blunb.tokenizer (`byte`, `bpe:<vocab>`, `gpt2`), one document per file followed by
-the end-of-document token, every 20th document to val. A named source is prepared once and cached
-under $BLUNB_DATA_DIR (default ~/.cache/blunb/data), keyed by the Python version, the file list
-and the tokenizer. meta.json records the tokenizer (name, vocab_size, eot, file, sha256), the
-content hash of the documents and the token counts; the trainer copies it into every run's
-env.json and checks model.vocab_size against it.
+Shards use the llm.c / modded-nanogpt `.bin` format, so real FineWeb shards work as-is. Corpora need no
+network (the running Python's standard library by default, its site-packages, or a folder of text files),
+and a prepared corpus is cached keyed by what it was made from, so runs on a machine read the same tokens
+and record which (meta.json, copied into every run's env.json).
 
     blunb-data prepare [--source stdlib|site-packages|site-packages+headers|FOLDER]
                        [--tokenizer byte|bpe:<vocab>|gpt2] [--out DIR]      (or python -m blunb.data)
 
-Facts that need a full read of a shard (its largest token id, its sha256) are cached in
-`<shard>.blunb-cache.json` beside it, keyed by the file's size and mtime; in a read-only
-folder they are simply recomputed.
+Details (the shard format, corpora and their cache, cached shard facts): docs/architecture.md, section
+"blunb/data.py"; the loaders' order: its "The parts", Data.
 """
 
 from __future__ import annotations

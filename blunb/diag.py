@@ -1,54 +1,15 @@
 """The reference trainer's diagnostics (diag=true): what to read when a step spikes.
 
-Per step, from ONE batched device -> host read (and, at W > 1, one all_gather):
+Per step, from ONE batched device -> host read (and, at W > 1, one all_gather): [micro] every rank's
+micro-batch losses and their outliers, named by shard and offset (the step's loss averages a bad
+micro-batch away; its gradient does not); [depth] gradient and weight magnitudes at a few layers (where a
+blow-up starts says whether it is the forward or the update); [replica] a hash of every parameter's bits
+compared across ranks (ZeRO replicas must be bit-identical). One read per step, and no host sync before
+end_step, keeps it cheap enough to leave on. Construct it BEFORE the optimizers, so its gradient hook
+runs before any hook that reduces gradients in place during backward.
 
-  [micro]   every rank's micro-batch losses, their median and the outliers (loss > median
-            + 0.5), each outlier named by rank and, for each of its rows, shard file and token
-            offset (the window loader's rows come from anywhere in the split; the legacy shard
-            loader's micro-batch is one span). The step's loss averages a bad micro-batch away;
-            its gradient does not.
-  [depth]   at ~5 evenly spaced layers (first and last included): the pre-reduce local
-            ||grad(wQ)|| of every rank (the line shows rank 0's, diag.csv all of them),
-            max|q_gamma| and max|wQ|. A blow-up that starts mid-stack and grows toward the
-            loss points at the forward; a flat lift at every depth points at the update.
-  [replica] a position-weighted hash of every parameter's bits, compared across ranks. ZeRO
-            replicas must be bit-identical (each byte has one owner); if they are not, the
-            ranks train different models. A mismatch is an ERROR line; nothing is raised.
-
-Wiring (BLU models; construct BEFORE the optimizers, so the gradient hook runs before any
-hook that reduces gradients in place during backward):
-
-    diag = Diagnostics(model, rank, world_size, run_dir)
-    for step in ...:
-        for micro in ...:
-            rows = loader.where()                   # before next_batch: [(shard, offset)] of its rows
-            x, y = loader.next_batch()
-            ... forward, backward ...
-            diag.record_micro(loss, rows)
-        opt.step()
-        for line in diag.end_step(step): log(line)
-    diag.close()
-
-When: the weights (checksum, max|wQ|, max|q_gamma|) are read at the step's first
-record_micro. By then that micro-batch's forward has installed every staged parameter
-refresh (overlap_refresh) and nothing writes weights before the optimizer step, so step N's
-values describe the weights step N trained with (where the seed reads them too).
-
-diag.csv (rank 0, appended): tidy long format, one row per step and item, columns
-step,item,rank,micro,value,detail (rank / micro empty where they do not apply):
-  micro_loss              one per (rank, micro)  value loss        detail shard:offset per row, space-separated
-  micro_median            one                    value median      (the seed's: sorted[n // 2])
-  micro_outlier           one per outlier        value loss        detail shard:offset per row
-  probe_grad_norm.L<l>    one per (layer, rank)  pre-reduce local ||grad(wQ)|| (nan: no grad this step)
-  probe_max_abs_q_gamma.L<l>, probe_max_abs_wq.L<l>   one per layer, rank 0's
-  replica_checksum_match  one                    value 1 or 0      detail r<rank>=0x<checksum> ...
-so a step has W*M + 1 + (outliers) + P*(W + 2) + 1 rows (M micro-batches per rank, P probes).
-
-Cost: no host sync before end_step; there, one small host -> device copy (the shard names and
-offsets), one gather of 1 + 3P + M(1 + 9R) int64 per rank (R rows per micro-batch) and one read.
-The checksum is the heaviest part: a few int64 passes over the parameters in blocks of 4 Mi
-elements (64 MiB of temporaries + a cached 32 MiB weight table), ~80 ms per step for seed-4b's
-3.9 B parameters on one H200, well under 1% of that model's step.
+Details (the items, the wiring, when the weights are read, diag.csv's rows, the cost):
+docs/architecture.md, section "blunb/diag.py".
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """The statistics a study's claims rest on, on scipy.stats (no hand-written quantiles).
 
-Across seeds (one value per run):
-- `mean_ci(values)`: the mean with a t interval (MeanCI: mean, low, high, n);
-- `diff_ci(a, b)`: mean(a) - mean(b) of two independent samples, Welch's t interval;
-- `paired_diff_ci(a, b)`: the mean of a - b over pairs (seed k of one arm against seed k of the
-  other, sharing data_seed), a t interval (Interval: estimate, lo, hi, n, confidence);
-- `paired_tost(a, b, margin)`: equivalence of two arms within +-margin by two one-sided paired
-  t tests (Tost); its lo/hi is the (1 - 2*alpha) interval a TOST verdict reads;
-- `ratio_ci(a, b)`: a/b on the log scale (the geometric-mean ratio and exp of the t interval of
-  log a - log b), for step costs and tokens-to-target;
-- `bootstrap_ci(values, statistic)`: scipy.stats.bootstrap, seeded.
+One module, so every notebook computes its intervals and tests the same way, on library quantiles:
+across seeds (t intervals, Welch, paired differences, the paired TOST and its power, log-scale ratios, a
+seeded bootstrap) and over steps (curve bands, first crossings, matched-step differences). NaNs (a
+failed run's final loss) are dropped throughout, and n counts what is left; a spread from fewer than two
+values is unknown, never zero: the interval is NaN.
 
-Over steps (metrics_long, one row per arm, seed, step, metric):
-- `curve_band`: per arm and step, mean_ci across seeds (a loss curve's CI band);
-- `first_crossing`: where a metric first falls to a target (tokens to a target loss);
-- `matched_step_difference`: two arms' per-step mean difference against the seed-to-seed spread,
-  a description of the curves: the per-step spread of a 32k-token batch is batch noise, not an
-  equivalence margin (paired_tost is the test).
-
-NaNs (a failed run's final loss) are dropped throughout, and n counts what is left; a pair with
-a NaN on either side is dropped whole. A spread from fewer than two values is unknown, never
-zero: the interval is NaN.
+Details (each function and what it returns): docs/architecture.md, section "blunb/stats.py".
 """
 
 from __future__ import annotations

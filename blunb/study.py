@@ -1,63 +1,18 @@
 """Studies: a grid of real training runs (arms x seeds), run in parallel, cached, summarized.
 
 A study notebook describes its grid and runs it; every run is a `blunb.train` launch of its own
-(torchrun when nproc > 1) into `<root>/<study>/<arm>-s<seed>/`, with `seed=<seed>` added to the
-arm's overrides:
+(torchrun when nproc > 1) into `<root>/<study>/<arm>-s<seed>/`, so a study's runs are complete run
+folders, the same a user would launch by hand. Every run's arguments are checked before anything starts
+(a typo in the last arm costs nothing); runs are cached by their resolved config, so a study resumes and
+re-runs at no cost; a failed run is reported with its root cause while the others go on.
 
-    from blunb.stats import matched_step_difference, mean_ci
-    from blunb.study import Study
-
-    study = Study("warmup", arms={"base": [], "long": ["warmup_steps=20"]}, seeds=[0, 1, 2],
-                  preset="tiny", steps=60)            # root=results_root() / "scratch" for scratch runs
+    study = Study("warmup", arms={"base": [], "long": ["warmup_steps=20"]}, seeds=[0, 1, 2], preset="tiny")
     summary = study.run()        # pandas, one row per run; also <study>/summary.csv
-    long = study.metrics_long()  # <study>/metrics_long.csv: arm, seed, step, metric, value
-    for arm, runs in summary.groupby("arm"):
-        print(arm, mean_ci(runs["final_val_loss"]))
-    d = matched_step_difference(long, "long", "base")   # val_loss by default
-    print(d.mean_diff, d.noise_floor, d.exceeds_noise)
 
-`run_study(name, arms, seeds, ...)` is the same as `Study(...).run()`.
+CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` runs a study notebook headless.
 
-Order of work: every run's arguments are checked (blunb.launch.check_train_args at the study's
-nproc) before anything starts, so a typo in the last arm costs nothing. Then the runs go out in
-parallel subprocesses: on the CPU max(1, cores // nproc) at a time, on CUDA one per group of
-nproc visible GPUs (CUDA_VISIBLE_DEVICES set per run; `runs_per_gpu` > 1 shares a group), or
-`max_parallel`. A tqdm bar over runs (log lines without tqdm) shows each running run's latest step.
-Each launch's combined output goes to `<run>/console.txt`.
-
-Beyond one machine: `Study(..., executor=submitit.AutoExecutor(folder=...))` (configured for SLURM by its
-update_parameters: partition, GPUs per node >= nproc, time limit) submits each run as one job instead: the
-same command (its torchrun inside when nproc > 1), run by blunb.study_job.run_command, which writes
-console.txt. Everything else is the same loop: caching, resume, the root causes (from the run folder, not
-submitit's traceback), the progress bar (from the run folders), the study's lock (held while its jobs run);
-the cluster places the jobs, max_parallel caps how many are in flight (default: all), and an interrupt or
-error cancels every job and waits (up to 60 s) for their runs to stop. `executor=None` or "local" is the
-local pool; submitit (`pip install 'blunb[cluster]'`) is imported only when an executor is given, and any
-other value is an error before any work. The study's folder must be on storage the jobs' nodes share.
-
-Caching: a run whose folder says completed, with the config.json this run would get (built by
-blunb.train.parse_args from the same arguments) and the same world size, is skipped. A folder
-with the same config but unfinished (running, failed, killed) is re-run with `--resume auto`
-(its newest checkpoint, or a fresh start); a different config or world size with `--overwrite`.
-The table's `action` column says which: cached | new | resume | overwrite. One study at a time per
-folder: run() holds <study>/.lock (blunb.runs.FolderLock) for its life, so a second Study.run() into
-the same folder fails before any work, naming the first (and every trainer holds its run folder's).
-
-Publishing: a study folder inside the repo's committed results/ (not a git-ignored folder such as
-results/scratch/) is refused while the git tree is dirty (blunb.runs.git_state), unless
-allow_dirty=True; <study>/study.json records the code (git sha, dirty files, blunb's source digest)
-and whether allow_dirty was used.
-
-Failures: a failed, killed or diverged run is logged with its root cause (blunb.launch's parsing of
-its output, else its status.json error) while the others go on. summary.csv and metrics_long.csv are written
-either way; then StudyError (its `.summary` holds the table) lists the failures, unless
-`allow_failures=True` (e.g. a learning-rate sweep where divergence is a result), which warns.
-
-CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` executes a study notebook
-headless through papermill (values are Python literals, else strings), each value checked against
-the type of its default in the notebook's `parameters` cell (checked_parameters): `-p publish false`
-is False, `-p publish maybe` an error. Each notebook runs the same check on its own namespace
-(check_parameters) in the cell after its parameters, for papermill's own CLI and for Jupyter.
+Details (an example, parallel runs, clusters, caching, publishing, failures, the CLI's parameter
+checks): docs/architecture.md, section "blunb/study.py".
 """
 
 from __future__ import annotations

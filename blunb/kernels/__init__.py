@@ -1,29 +1,14 @@
 """Kernel ops used by the model, each dispatching to plain torch or a fused Triton kernel.
 
-backend=None picks Triton for CUDA tensors when a fused kernel exists (and, where the
-kernel module defines `prefer(*args)`, when it says it is the faster choice for the
-shape), else the torch reference; a module with `AUTO = False` is never the auto choice (its
-kernel runs only when forced). `BLUNB_KERNELS=torch|triton` forces one for A/B, for every op or,
-as `op=backend,...` (e.g. `swiglu=torch,qk_norm_rope=torch`), per op (the others stay auto).
-The fused kernels live one op per file in `blunb/kernels/fused/<op>.py`, each
-exposing a function named like the op; `reference.py` holds each op's plain-torch spec, which is
-also its torch backend except for linear_cross_entropy (both its backends chunk: chunked_ce.py).
-On a machine without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1, set here
-before Triton is imported). Code outside this package asks `backend_for(op, *args)` which backend a
-call would take; the dispatcher's own names (leading underscore) are not for it.
+One public function per op, so the model calls one name whatever runs underneath: backend=None picks the
+fused kernel where one exists and is the better choice, else the torch reference (reference.py, the
+spec); `BLUNB_KERNELS` forces either, for every op or per op, for A/B runs. Code outside this package
+asks `backend_for(op, *args)` which backend a call would take; the dispatcher's own names (leading
+underscore) are not for it. On a machine without CUDA, Triton kernels run under the interpreter
+(TRITON_INTERPRET=1, set here before Triton is imported), so the CPU tests run the real kernels.
 
-Under torch's deterministic mode (torch.use_deterministic_algorithms(True): the trainer's
-deterministic=true) nothing here depends on a timing: every autotuned kernel launches one fixed
-config (fused/_common.py's Tuned; the config sets the reduction order, so a timed pick could change
-the bits between two runs), and a module's prefer() decides by the shape alone (flash attention:
-Triton wherever it supports the shape; syrk: cuBLAS).
-
-Each fused op's forward and backward are `torch.library` custom ops (`torch.ops.blunb.<op>_fwd`,
-`<op>_bwd`) with fake implementations, tied together by `register_autograd`: torch.compile sees
-each as one opaque node with known output shapes, dtypes and strides, so it traces the model
-around them without graph breaks and never into Triton's launch code. Eager calls run the same
-kernels as before (the numbers are bit-identical); the custom-op dispatch costs some
-microseconds of host time per call, hidden behind the GPU's queue at training sizes.
+Details (the auto choice, deterministic mode, the torch.library custom ops): docs/architecture.md,
+section "blunb/kernels/__init__.py".
 """
 
 from __future__ import annotations

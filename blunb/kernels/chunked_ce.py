@@ -1,28 +1,15 @@
-"""kernels.linear_cross_entropy's chunking: lm_head GEMM + cross-entropy in token chunks, so the [N, V] logits
-and their gradient never exist whole.
+"""kernels.linear_cross_entropy's chunking: lm_head GEMM + cross-entropy in token chunks, never whole logits.
 
-The unchunked path keeps the logits (in logit_dtype) for backward and then makes a gradient of the
-same size: at 1b (B8 x T2048 = 16384 tokens, V 50304) that is 2 x 3.3 GB in fp32. Here forward walks
-the tokens in chunks of `chunk_tokens`: logits_c = x_c @ weight^T in weight's dtype (the model's
-GEMM), cast to logit_dtype (the bf16_logits stage's rounding), then fp32 log-sum-exp and loss. With
-grad on, the same pass turns the chunk's logits into d loss / d logits_c = (softmax - onehot) / n_valid
-and runs both backward GEMMs on it, so only grad_x [N, d] and grad_weight [V, d] are kept; backward
-scales them by the incoming grad. The loss is the mean over non-ignored targets, 0.0 (not NaN) when
-every target is ignored, like kernels.cross_entropy.
+Why: the unchunked path keeps the [N, V] logits for backward and then makes a gradient of the same size
+(at 1b, 16384 tokens x V 50304: 2 x 3.3 GB in fp32). Walking the tokens in chunks, with each chunk's
+gradient made in the same pass, keeps only grad_x [N, d] and grad_weight [V, d]. Both backends of the op
+run these chunks (the Triton one fuses each chunk's softmax, loss and gradient:
+fused/linear_cross_entropy.py); this module needs no triton, so the plain chunks run where triton has
+no wheel. The forward is a torch.library custom op, so Inductor cannot re-materialize the logits it
+exists to avoid.
 
-Both backends of the op run these chunks. In the Triton one (fused/linear_cross_entropy.py) each chunk's
-softmax, loss and gradient are the fused cross-entropy kernel, run in place over the GEMM's output: two
-reads and one write of the chunk's logits in their own dtype instead of eight fp32 passes. The values are
-the plain path's: the kernel computes in fp32 from logits that are the GEMM's output either way (an upcast
-of bf16 logits to fp32 changes none of them), and rounds the gradient once to the GEMM's dtype, as the
-plain path's cast does. The torch one computes each chunk in plain torch (on the CPU, and with
-kernels=linear_cross_entropy=torch), not through reference.linear_cross_entropy, the spec, which makes the
-whole logits. This module needs no triton (the fused chunk step is imported only when asked for), so the
-plain chunks run where triton has no wheel.
-
-The forward is a torch.library custom op with a fake implementation and registered autograd (why:
-blunb/kernels/__init__.py): torch.compile keeps it one opaque node, so Inductor cannot re-materialize the
-logits it exists to avoid.
+Details (a chunk's math, why both backends give the plain path's values): docs/architecture.md, section
+"blunb/kernels/chunked_ce.py".
 """
 
 from __future__ import annotations

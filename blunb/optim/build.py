@@ -1,23 +1,13 @@
 """The optimizer sets and their registry: the seed's ZeRO-1 layouts, or torch DDP + AdamW as a baseline.
 
-- "adamw": one ShardedAdamW per parameter dtype (fp32 embedding / scales, bf16 Linears on
-  GPU), stepped smallest first and the largest group last (the seed's step order).
-- "muon": ShardedMuon on the transformer body's 2-D matrices (whole-matrix owners), the
-  rest (embedding, lm_head, every 1-D scale) on dtype-grouped ShardedAdamW; each group on
-  the same WSD curve with its own (max, min) lr.
-- "ddp_adamw": what a user would write without blunb: fp32 parameters, autocast bf16 on CUDA,
-  torch DDP, fused torch AdamW, torch's global clip_grad_norm_. The reference the ZeRO arms
-  are measured against.
-- "adamw_bf16_nomaster": THE COUNTER-EXAMPLE, for the precision study only: the same torch
-  AdamW stepping the model's bf16 parameters in place (bf16 moments, no fp32 master), which the
-  seed refuses to ship: its (1 - lr*wd) decay and small updates round away on bf16's grid.
+Every set implements blunb.optim.interface.OptimizerSet and the training loop uses nothing else, so an
+optimizer is one module plus one registry line: OPTIMIZERS maps each `optimizer` setting to its builder
+and what TrainConfig.validate needs to know of it; register() adds one (CONTRIBUTING.md, "An
+optimizer"). Built in: "adamw", "muon", "ddp_adamw" (the baseline the ZeRO arms are measured against)
+and "adamw_bf16_nomaster" (the precision study's counter-example, not for training).
 
-Clipping and skipping follow blunb.optim.clip.prepare_group_step (per group, or one global
-coefficient; nan_policy "step" or "group"). Muon's orthogonalized matrices are never clipped.
-
-Every set implements blunb.optim.interface.OptimizerSet (the training loop uses nothing else).
-OPTIMIZERS maps each `optimizer` setting to its builder and what TrainConfig.validate needs to know
-of it; register() adds one (CONTRIBUTING.md, "An optimizer").
+Details (what each built-in set is, clipping and skipping): docs/architecture.md, section
+"blunb/optim/build.py".
 """
 
 from __future__ import annotations

@@ -1,65 +1,16 @@
 """ShardedMuon: ZeRO-1 over WHOLE tensors, Muon for matrices plus an auxiliary AdamW.
 
-Why whole tensors: AdamW is elementwise, so any flat cut of the parameter buffer is a
-valid shard; Newton-Schulz orthogonalizes a whole matrix, so a flat cut through a matrix
-would not be Muon. Each parameter therefore has exactly ONE owner rank, which holds its
-fp32 master (plus momentum, or AdamW moments) and computes its whole update; the other
-ranks hold no state for it. Owners come from a longest-processing-time-first partition
-of the Newton-Schulz cost (matrices) and of numel (aux tensors), computed identically
-on every rank from shapes and order alone.
+Why whole tensors: AdamW is elementwise, so any flat cut of the parameter buffer is a valid shard;
+Newton-Schulz orthogonalizes a whole matrix, so a flat cut through a matrix would not be Muon. Each
+parameter therefore has exactly ONE owner rank (a longest-processing-time-first partition of the cost,
+computed identically on every rank from shapes and order alone), which holds its state and computes its
+whole update; the updated parameter is then published to every rank. The switches mean what they mean
+for ShardedAdamW; the serial and the overlapped paths issue the SAME collectives, in the same order, on
+the same bytes, so their results are bit-identical by construction. Nothing in the step syncs with the
+host.
 
-Per step: gradient averaged over ranks and delivered to the owner -> owner updates ->
-updated parameter published to every rank. Two collective layouts:
-  "rs_ag" (default): per dtype, each rank's owned tensors are split into
-      `target_buckets` consecutive sub-chunks; bucket k is the concatenation of every
-      rank's k-th sub-chunk, each padded to the bucket's largest, so shard boundaries
-      fall on tensor boundaries. One reduce-scatter + one all-gather per bucket.
-  "reduce_bcast": reduce-to-owner + broadcast per tensor (the simple reference path).
-A parameter whose .grad is None on its owner is not stepped, as in torch: its master,
-momentum or moments and its step count stay as they were (the buckets still carry zeros).
-
-Switches (the meaning ShardedAdamW gives them):
-  reduce_dtype  "param" | "fp32" | "bf16": the dtype gradients are summed in (then divided
-      by W in that dtype). A dtype other than the parameter's gives each rs_ag bucket its
-      own reduce buffers, or each tensor a converted copy for reduce_bcast.
-  overlap_backward  once arm_grad_sync() is called (before the last micro-batch's
-      backward), post-accumulate-grad hooks issue each bucket's reduce-scatter (or each
-      tensor's reduce) asynchronously as soon as all of its gradients are complete; the
-      reduction then only waits. Units are issued in one fixed order on every rank, the
-      reverse of the parameter order (backward order when the parameters are given in
-      forward order); a unit ready early waits for its predecessors, and any unit the
-      backward never completes (a .grad of None) is issued by the reduction itself.
-  overlap_refresh  step() publishes asynchronously in forward order (all-gather per
-      bucket, broadcast per tensor) and forward pre-hooks on `stages` wait just before the
-      module that reads the parameters (a parameter no stage names waits at stage 0);
-      drain_refresh() installs everything still in flight, refresh_stage_map() shows
-      what each stage waits for.
-The serial and the overlapped paths issue the SAME collectives, in the same order, on the
-same bytes: their results are bit-identical by construction.
-
-Update on matrices = torch.optim.Muon(lr, momentum, nesterov, ns_steps, weight_decay,
-adjust_lr_fn=adjust_lr) on the averaged gradient: momentum lerp, Nesterov, NS in bf16
-(blunb.optim.newton_schulz: batched per shape, CUDA-graph replayed), decoupled weight
-decay, lr scaled by "match_rms_adamw" 0.2*sqrt(max(A, B)) or "original" sqrt(max(1, A/B)).
-Non-matrix tensors (and any given with use_muon=False) get AdamW = torch.optim.AdamW,
-weight decay only on >= 2-D tensors, after the clip.
-
-Clipping is withheld from orthogonalized matrices (NS renormalizes; a coefficient would
-only rotate the momentum EMA), so `max_grad_norm` clips the aux-AdamW part only, with
-the coefficient derived from that part's norm; construction prints the covered fraction.
-A non-finite gradient norm skips the whole step (nothing changes, momenta included) and
-counts in `skipped_steps`. Divergence guard: a matrix update with a non-finite element or
-one above 1000 is rejected (the matrix is left as it was) and counted; `nsratio` is the
-worst ||update||_F / sqrt(min(rows, cols)) among accepted updates (healthy ~1).
-
-Everything in the step stays on the device: no host sync (counters are device tensors
-read by the properties, i.e. when logging). After step() the .grad values are collective
-scratch (reduce_bcast reduces in place when the dtypes agree). Hooks hold the optimizer
-weakly: dropping it frees it at once, no reference cycle.
-
-param_groups[0] is the Muon group (keys lr, momentum, nesterov, ns_steps, weight_decay,
-adjust_lr), param_groups[1] the aux AdamW group (lr, betas, eps, weight_decay); set each
-group's "lr" every step (or use any LR scheduler). `state[p]` exists only on p's owner.
+Details (the collective layouts, the switches, the update, clipping and the divergence guard,
+param_groups): docs/architecture.md, section "blunb/optim/muon.py".
 """
 
 from __future__ import annotations

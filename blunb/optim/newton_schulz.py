@@ -1,25 +1,14 @@
 """Newton-Schulz orthogonalization engine for Muon: batched, CUDA-graph replayed, SYRK-aware.
 
-The math is torch.optim.Muon's `_zeropower_via_newtonschulz`, batched: same-shape
-matrices run as one bmm chain in bf16,
-  X <- G / max(||G||_F, eps);  per step:  A = X X^T;  B = b A + c A A;  X <- a X + B X
-for a wide X (rows <= cols). A tall X runs in its own layout, A = X^T X;  X <- a X + X B:
-B is symmetric, so this is exactly the transpose of the wide form, and the caller's
-elementwise passes into and out of the batch stay contiguous (cuBLAS takes the transposed
-operands as flags, no copies). A A is a SYRK too (A is symmetric), so both products can
-go through the Triton SYRK, per shape and layout, where its autotune verdict beat cuBLAS.
-"polar_express" swaps in the Polar Express per-step coefficients (Amsel et al. 2025) with
-their 2% safety margin on the initial normalization.
+The math is torch.optim.Muon's `_zeropower_via_newtonschulz`, batched (same-shape matrices as one bmm
+chain in bf16), with the symmetric products on the Triton SYRK where its autotune verdict beat cuBLAS.
+Why graphs: one NS call launches ~25 kernels from Python, and that host cost, not the GEMMs, dominates
+small matrices; so on CUDA each (batch, rows, cols) slot is captured once as a CUDA graph and replayed
+(the same kernels on the same data: results bitwise identical to eager). BLUNB_NS_GRAPHS=0 turns graphs
+off.
 
-One NS call launches ~25 kernels from Python: that host cost, not the GEMMs, dominates
-small matrices. So on CUDA each (batch, rows, cols) slot is captured once as a CUDA
-graph and replayed: the first call runs eagerly (it doubles as warm-up and as the SYRK
-autotune, neither of which may be captured), the second captures and replays, later
-calls only replay. Inputs go through a persistent per-slot staging buffer, so the graph
-never sees the step's fresh allocations; lr / weight decay / momentum are applied by the
-caller outside the graph, so schedule changes never re-capture. A capture failure
-falls back to eager for that slot only, loudly. BLUNB_NS_GRAPHS=0 turns graphs off.
-Replay runs the same kernels on the same data as eager: results are bitwise identical.
+Details (the iteration for wide and tall X, polar_express, the capture rules): docs/architecture.md,
+section "blunb/optim/newton_schulz.py".
 """
 
 from __future__ import annotations

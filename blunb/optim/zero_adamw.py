@@ -1,44 +1,14 @@
 """ZeRO-1 AdamW: every rank keeps the whole model, but only 1/W of the optimizer state.
 
-Layout. The parameters of one instance (one dtype) become views into a flat buffer, cut
-into buckets of ~`bucket_mb` (whole tensors, filled in backward order, so a bucket's
-gradients are complete early in the backward). Each bucket is padded to a multiple of W
-and rank r owns the r-th 1/W of every bucket; concatenated, those chunks are the rank's
-contiguous shard [r*S, (r+1)*S) of fp32 master, exp_avg and exp_avg_sq (S = padded / W).
-With one bucket this is exactly "rank r owns [r*S, (r+1)*S) of the flat buffer"; per-bucket
-chunks let every bucket be reduced the moment it is ready with a real reduce-scatter, and
-make the overlapped and the serial paths issue the SAME collectives on the same bytes, so
-their results are bit-identical by construction rather than by luck of summation order.
+The parameters of one instance (one dtype) are views into a flat buffer cut into buckets; rank r owns
+the r-th 1/W of every bucket. Per-bucket chunks let every bucket be reduced the moment it is ready with
+a real reduce-scatter, and make the overlapped and the serial paths issue the SAME collectives on the
+same bytes, so their results are bit-identical by construction rather than by luck of summation order.
+No host sync anywhere on the step's path. Hooks hold the optimizer weakly: dropping it frees it (and its
+buffers) at once, no cycle.
 
-Per step (no host sync anywhere on this path):
-  reduce   rs_ag: reduce_scatter(SUM) per bucket into the owned chunk (in place);
-           reduce_bcast: reduce(SUM) of each chunk to its owner. Serially after backward,
-           or from post-accumulate-grad hooks as buckets fill (overlap_backward).
-  measure  ||avg grad||^2 of the shard, all-reduced: per-instance or global clip stats.
-  update   on CUDA one Triton pass over the whole shard (kernels/fused/adamw.py): the reduced
-           gradient in, master and moments updated and written to the owned weight chunks. Elsewhere
-           (or with the kernels setting adamw=torch) torch._fused_adamw_ over the shard, one call
-           per bucket chunk and decay class (a bf16
-           gradient chunk is staged in fp32 first, so staging costs one chunk, not the shard),
-           with grad_scale = W / clip_coef (averaging and clipping folded into the kernel) and
-           found_inf (the kernel leaves params and moments untouched on an inf/NaN norm, on
-           every rank, without a host round trip); the Triton pass takes the same two tensors.
-  publish  master -> param dtype into the owned chunks (done by that pass), then all_gather (rs_ag) or
-           broadcast from the owner (reduce_bcast), per bucket; with overlap_refresh the
-           buckets are published asynchronously in forward order and waited for by forward
-           pre-hooks just before the module that reads them.
-
-Gradients live in a flat buffer too (each `p.grad` is a view into it), so backward
-accumulates straight into the reduce input. After step() the .grad values outside this
-rank's chunks are collective scratch: read gradient norms from `clip_stats`.
-
-A parameter whose .grad is None at step() (zero_grad() sets them to None, as torch does, and
-backward never reached it) is not stepped, as in torch.optim.AdamW: no decay, no moment update,
-its own step count unchanged. The owner of a chunk decides from its own .grad. A gradient that
-autograd allocates anew is copied into the flat buffer by the parameter's hook, so later
-micro-steps accumulate in place; zero_grad(set_to_none=False) keeps the views and skips that copy.
-
-Hooks hold the optimizer weakly: dropping it frees it (and its buffers) at once, no cycle.
+Details (the layout, the step's phases, gradients as views, parameters without a gradient):
+docs/architecture.md, section "blunb/optim/zero_adamw.py".
 """
 
 from __future__ import annotations

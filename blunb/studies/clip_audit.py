@@ -1,27 +1,12 @@
 """The gradient-clipping audit: what each clip rule does, measured from run folders' metrics.
 
-The reference trainer clips each optimizer group on its own norm (per-group, the default) or
-with one coefficient for all groups (global_clip), derived from the norm of the gradients it
-actually scales ("covered": Muon's orthogonalized matrices withhold the clip) or, with
-global_clip_strict, from the full norm. Its audit (the comment on global clipping in the seed's
-main(), after docs/ZERO1_CLIPPING_AUDIT.md) made five claims; notebooks/10_clipping_claims.py
-declares the tests of each, and the clipping study (notebooks/10_clipping.ipynb) evaluates them:
+The reference trainer clips each optimizer group on its own norm (per-group, the default) or with one
+coefficient for all groups (global_clip). The seed's audit of global clipping made five claims; this
+module holds the measurements that test them (notebooks/10_clipping_claims.py declares the tests, the
+clipping study notebooks/10_clipping.ipynb evaluates them), computed from the metrics the trainer
+already writes (norm_<group>, clip_<group>), so the audit needs no instrument inside the trainer.
 
-1. The body's gradient norm is always larger than the rest's (body / fp32 group ratio
-   4.4, 2.4, 16.2, 17.2 over steps 0-199, 800-999, 1400-1599, 1800-1999 of 2000).
-2. Under strict global clipping the coefficient is set by the body's norm, which it does not
-   scale under Muon: it drifted 0.52 -> 0.18 across the stable phase while the body norm grew
-   2.0 -> 4.5.
-3. With Muon the clip covers little: ~94% of the parameters are never scaled, and the AdamW
-   group is 7-11% of the total ||g||^2.
-4. The per-group vs global difference in step size is not the coefficient ratio (2.6x) but
-   ~5% RMS, because Adam is invariant to a constant gradient factor (adam_replay_distortion).
-5. The A/B per-group vs global differs by 0.005 mean loss, inside the 0.019 seed-to-seed
-   noise floor (tested as a paired TOST of final val loss: blunb.stats.paired_tost).
-
-Group names are the trainer's metric suffixes (norm_<group>, clip_<group>): adamw_fp32 (the
-embedding and every 1-D scale), adamw_bf16 (the Linears under AdamW), muon (the body's
-matrices under Muon). The "body" is muon when present, else adamw_bf16.
+Details (the five claims, the group names): docs/architecture.md, section "blunb/studies/clip_audit.py".
 """
 
 from __future__ import annotations

@@ -1,56 +1,15 @@
-"""The overlap study's library (notebooks/12_overlap.ipynb): the equivalence grid, compute timelines
-measured on one device, and a MODEL of the communication a W-rank run could hide behind them.
+"""The overlap study's library (notebooks/12_overlap.ipynb): equivalence grid, timelines, communication model.
 
-1. Equivalence. `equivalence_arms` names the study's runs: the full grid overlap_backward x
-   overlap_refresh x collective (x muon_collective) x reduce_dtype, or a covering subset (every switch
-   flipped against the serial path at least once). `equivalence_table`
-   compares every run with the serial run of the same optimizer, world size and seed: losses and
-   gradient norms from metrics.csv (read back exactly: the trainer writes full-precision floats) and
-   the per-step replica checksum of every parameter from diag.csv (diag=true).
+Three parts: the equivalence grid (`equivalence_arms`, `equivalence_table`: every overlap switch flipped
+against the serial path, compared on losses, gradient norms and replica checksums), compute timelines
+measured on one device (`measure_timeline`: when each gradient is ready, when each refresh stage is
+needed), and a MODEL of the communication a W-rank run could hide behind them. The model's units come
+from the optimizers' own layout functions (blunb.optim.layout), so it cannot drift from what the
+optimizers issue; nothing in it is measured on more than one GPU, and `load_measured` /
+`predict_measured` hold it against measured multi-GPU step times.
 
-2. Timelines. `measure_timeline` trains a few steps of one preset on one device (W = 1, the trainer's
-   own optimizer set) and records, relative to the start of the backward, when each parameter's
-   gradient is ready (a post-accumulate-grad hook: where overlap_backward's hooks fire) and, relative
-   to the start of the forward, when each refresh stage is first needed (a forward pre-hook on the
-   stage's module: where overlap_refresh waits). On CUDA the hooks record CUDA events (GPU time); on
-   the CPU, which runs every op synchronously, the host clock. bench/overlap_timeline.py writes them
-   for 1b and seed-4b into results/overlap/ (times in ms, medians over the measured steps):
-     backward_timeline.csv  preset, optimizer, B, T, n_layers, param, numel, dtype, grad_ready_ms, backward_ms
-     forward_timeline.csv   preset, optimizer, B, T, n_layers, stage, module, needed_ms, forward_ms
-     compute.csv            preset, optimizer, B, T, n_layers, fwd_ms, bwd_ms, opt_step_ms, peak_mem_gib, iters
-     buckets.csv            every layout's collective units (`comm_units`) at W = 2, 4, 8, 16
-     meta.json              device, torch, triton, cuda, date, command, notes
-
-3. The communication model (a MODEL: nothing in it is measured on more than one GPU).
-   Units: `comm_units` derives the collective units of a layout from parameter shapes alone, exactly
-   as ShardedAdamW (flat buckets of ~bucket_mb, padded to a multiple of W) and ShardedMuon (whole
-   matrices with LPT owners; rs_ag: `muon_buckets` bin-packed buckets; reduce_bcast: one tensor per
-   unit) cut them (tests/test_comm_model.py holds it to the optimizers' own layouts).
-   Bytes: every layout sends (W-1)/W of a unit's wire bytes per rank per phase: a reduce-scatter or
-   all-gather in a ring, and equally the W chunk reduces / broadcasts of reduce_bcast (each rank sends
-   every chunk it does not own once). What differs is time: with bandwidth `Link.bus_gb_s` and
-   latency alpha per call, a reduce-scatter / all-gather of n bytes takes alpha + (W-1)/W n / bw, a
-   reduce or broadcast of n bytes alpha + n / bw (every hop of the chain carries all n bytes, NCCL's
-   busbw = algbw for these), so reduce_bcast costs W/(W-1) more bandwidth time and W alpha per
-   AdamW bucket. Over nodes the ring's slowest hop (the NIC) sets bw.
-   Exposure: with overlap_backward the units are issued in each group's fixed order as soon as their
-   gradients are complete (the measured timeline) and run one at a time on one stream; what runs past
-   the end of the backward is exposed. With overlap_refresh the publishes are issued when the forward
-   starts, in forward order, and each stage's forward waits for its units: the forward's delay is
-   exposed. Without an overlap, all of it is. The small norm all-reduce of each group is always exposed.
-   Step time = accum x (fwd + bwd) + optimizer step + exposed communication, with accum =
-   global_batch / (B T W) at the measured B, T; the W-rank optimizer step is the measured W = 1 step
-   times the largest rank's share (1/W for AdamW; for Muon the largest LPT owner's share of the
-   Newton-Schulz cost, applied to the whole Muon set). Ignored: rank skew (the seed measured it to
-   dominate bucketed reduce-scatters on 8 x H100), SM contention between NCCL and compute, NVLS.
-
-Measured multi-GPU step times (bench/overlap_grid.py writes them), read by `load_measured`:
-  results/overlap/multi_gpu_*.csv, one row per run: preset, optimizer, world_size, nodes,
-  collective, muon_collective, reduce_dtype, overlap_backward, overlap_refresh, bucket_mb,
-  muon_buckets, B, T, global_batch, step_ms (steady-state mean), device, torch; further columns are
-  kept. Its torch baselines (optimizer ddp_adamw, torch_zero) have no timeline: `predict_measured`
-  leaves them out.
-  results/bench/zero.csv (bench/zero.py: 1b, W = 2, one micro-step per step) is read as well.
+Details (the files, the cost model and its exposure rules, the measured tables): docs/architecture.md,
+section "blunb/studies/overlap.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Fused ZeRO-1 AdamW shard update: the gradient in its reduce dtype in, the model weights out.
 
-ShardedAdamW's torch path makes three passes over a bf16 group's shard: the reduced bf16 gradient
-is staged to fp32, torch._fused_adamw_ updates the fp32 master and moments, and a copy writes the
-master back into the bf16 weights (40 bytes per element). Here one pass reads the gradient, master
-and moments and writes master, moments and the weights (28 bytes per element, what torch's fused
-AdamW moves for an fp32 model).
+Why: ShardedAdamW's torch path makes three passes over a bf16 group's shard (stage the gradient to
+fp32, torch._fused_adamw_, copy the master back into the bf16 weights: 40 bytes per element); this one
+pass moves 28 bytes per element, what torch's fused AdamW moves for an fp32 model. The math is
+torch._fused_adamw_'s in fp32, so results agree to fp32 rounding, not bit for bit. A block table built
+once by the optimizer makes the whole shard one launch that never touches padding.
 
-The math is torch._fused_adamw_'s (ADAMW mode) in fp32: g = grad / grad_scale; p -= lr * wd * p;
-m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t)
-+ eps), with t the parameter's own step count and nothing written when found_inf is set. Bias
-corrections are computed in fp32 (torch: in double, then rounded), so results agree to fp32
-rounding, not bit for bit.
-
-The shard is walked by a block table built once by the optimizer: each block lies inside one
-parameter's segment (its step count and decay class) and gives its offset in the shard (master,
-moments) and in the flat buffers (gradient, weights), so padding is never touched and the whole
-shard is one launch.
+Details (the update's formula, the block table): docs/architecture.md, section
+"blunb/kernels/fused/adamw.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Causal grouped-query flash attention in Triton: forward and backward.
 
-q [B,Hq,T,hd], k/v [B,Hkv,T,hd], any strides with a unit last-dim stride: the model's
-`x.view(B,T,H,hd).transpose(1,2)` views are read in place, no copies. Query head h reads
-kv head h // (Hq // Hkv); K/V are never repeated. Scale hd**-0.5.
+Built around the model's layouts and around determinism: q [B,Hq,T,hd], k/v [B,Hkv,T,hd] are read in
+place through any strides with a unit last-dim stride (the model's transposed views, no copies; K/V are
+never repeated for GQA), and the output is laid out so the caller's reshape is free. The backward uses
+no atomics: every output element is written by exactly one program in a fixed order, so it is bitwise
+reproducible for a given launch config; under torch's deterministic mode the config is fixed too and
+prefer() picks this kernel for every shape it supports.
 
-Output layout: the output is allocated as [B,T,Hq,hd] and returned as its
-`.transpose(1, 2)` view, so the caller's `out.transpose(1, 2).reshape(B, T, Hq * hd)` is
-free. dq/dk/dv keep the strides of q/k/v (dense inputs) so their views' backward is free too.
-
-Forward: online softmax in fp32, in the log2 domain (scale * log2(e) folded into one
-multiply, exp2), fully-masked causal blocks skipped, masked tails for any T; the
-log-sum-exp (log2 domain) is saved for the backward.
-Backward: a preprocess kernel computes delta = rowsum(dO * O); then one kernel per
-(key block j, batch, kv head) computes dk/dv for key block j, looping over the group's
-query heads (the GQA sum happens in registers), and then dq for query block j of each
-of the group's query heads. No atomics: every output element is written by exactly one
-program in a fixed order, so the backward is deterministic (bitwise reproducible) for a given
-launch config; under torch's deterministic mode the config is fixed too (the first candidate for
-the head dim, never timed) and prefer() picks this kernel for every shape it supports.
-Putting both phases in one program also balances causal work: key block j has
-(n - j) query blocks above it, query block j has (j + 1) key blocks left of it.
+Details (the layouts, the forward's online softmax, the backward's programs): docs/architecture.md,
+section "blunb/kernels/fused/flash_attention.py".
 """
 
 from __future__ import annotations

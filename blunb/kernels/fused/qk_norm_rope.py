@@ -1,30 +1,14 @@
 """Fused QK-norm + RoPE: RMSNorm over head_dim with a per-head-dim gamma, then RoPE.
 
-ONE kernel per direction serves q [B,Hq,T,hd] and k [B,Hkv,T,hd] (any GQA ratio): the
-first programs of the launch take q's rows, the rest k's. A "row" is one head vector of
-hd elements; the kernels see q and k as dense [rows, hd] matrices, row r at r * hd:
+ONE kernel per direction serves q [B,Hq,T,hd] and k [B,Hkv,T,hd] (any GQA ratio), so the model's two
+norms and two rotations are one launch forward and one backward. The kernels read the model's
+[B,T,H,hd] projection views and a contiguous [B,H,T,hd] as they are, without a copy, and allocate the
+outputs like the inputs, so the model's memory goes through unchanged; the math runs in fp32. Both RoPE
+conventions are served (NeoX half-split, GPT-J pairs). The gamma gradient is one sum over per-program
+fp32 partials, no atomics.
 
-* the model's layout, the projections viewed as `x.view(B, T, H, hd).transpose(1, 2)`
-  ([B,T,H,hd] in memory): rows in (b, t, h) order, position t = (r // H) % T;
-* a contiguous [B,H,T,hd]: rows in (b, h, t) order, t = r % T.
-
-Both are used as they are, without a copy (H is a compile-time constant, so r // H is a
-shift for a power-of-two H); any other layout (e.g. a strided slice) is copied to a
-contiguous [B,H,T,hd] first. Outputs are allocated like the inputs (torch.empty_like
-keeps a dense input's strides), so the model's [B,T,H,hd] memory goes through unchanged;
-they have q/k's dtype, the math runs in fp32. cos/sin are [T_cache, hd/2]; rows 0..T-1
-are used. In the backward, a grad output whose layout differs from its input's is copied
-into the input's layout (attention's backward already produces that layout).
-
-A program's tile is BLOCK_R rows x hd, loaded once, as the two rotation halves:
-NeoX: x1 = cols [0, hd/2), x2 = [hd/2, hd), two [BLOCK_R, hd/2] loads; GPT-J: the full
-contiguous row tile split into even/odd columns with tl.reshape + tl.split (and joined
-back with tl.join for the store), so the pairs stay in the registers of one thread.
-Backward recomputes rstd from x (it re-reads x anyway), undoes the rotation
-(R^T: dy1 = do1 c + do2 s, dy2 = do2 c - do1 s), then applies the RMSNorm backward.
-Each backward program walks a run of rows and writes one fp32 partial of its gamma's
-gradient; q and k get the same number of programs, so the partials form one dense
-[2, P, hd] buffer reduced by a single sum (no atomics).
+Details (the row layouts, the tile, the backward): docs/architecture.md, section
+"blunb/kernels/fused/qk_norm_rope.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Symmetric rank-k product in Triton: out = alpha * X @ X^T (+ beta * C, C symmetric).
 
-Only the lower triangle of output tiles is computed (T(T+1)/2 of T^2 programs, the
-~2x that a symmetric product allows); each off-diagonal tile is also stored transposed
-into the upper triangle, so the result is exactly symmetric. Math in fp32 (tensor-core
-dot), stored in the input dtype.
+For Newton-Schulz, which uses it twice per iteration (the Gram A = X X^T, and c*A@A + b*A, a SYRK too as
+A is symmetric): only the lower triangle of output tiles is computed (the ~2x a symmetric product allows)
+and mirrored, so the result is exactly symmetric. Whether it beats cuBLAS depends on the shape, so each
+shape is autotuned once on the GPU against cuBLAS, after a numerical cross-check, and the verdict is
+cached across processes; under torch's deterministic mode nothing is timed and the auto choice is cuBLAS.
 
-Newton-Schulz uses it twice per iteration: the Gram A = X X^T, and c*A@A + b*A, which
-is a SYRK too because A is symmetric (A@A = A A^T). Whether it beats cuBLAS depends on
-the shape, so every (device, dtype, batch, rows, cols, epilogue, layout) is autotuned once on
-the GPU against cuBLAS, timing kernel execution only, after a numerical cross-check
-against cuBLAS (a config beyond tolerance is rejected, loudly). Verdicts persist in a
-versioned JSON file, `$BLUNB_CACHE_DIR` or ~/.cache/blunb/, keyed by device and
-library versions so stale verdicts never apply after an upgrade.
-
-The choice follows BLUNB_KERNELS' syrk entry where it forces one (kernels=syrk=torch runs cuBLAS,
-Newton-Schulz included). Under torch's deterministic mode nothing is timed: a verdict made by
-timing can differ between two fresh runs, so the auto choice is cuBLAS, and a forced Triton SYRK
-runs FIXED_CONFIG.
+Details (the autotune, the verdict cache, forcing a backend): docs/architecture.md, section
+"blunb/kernels/fused/syrk.py".
 """
 
 from __future__ import annotations
