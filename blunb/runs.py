@@ -28,15 +28,9 @@ import pandas as pd
 
 import blunb
 from blunb.config import ConfigError
+from blunb.metrics import METRIC_COLUMNS, TIMING_COLUMNS  # noqa: F401  (declared there; read from here too)
 
 log = logging.getLogger("blunb.runs")
-
-METRIC_COLUMNS = ["step", "train_loss", "val_loss", "tok_per_sec", "grad_norm", "dt_ms", "lr", "elapsed_min",
-                  "mfu", "mfu_palm", "tflops_per_gpu"]
-# metrics.csv's columns that measure time or memory, which two identical runs never share; every other column
-# follows from the config, the data and the arithmetic (what a bit-reproducible run must repeat exactly)
-TIMING_COLUMNS = ("tok_per_sec", "dt_ms", "elapsed_min", "mfu", "mfu_palm", "tflops_per_gpu", "opt_step_ms",
-                  "peak_mem_gib")
 
 
 def repo_root() -> Path:

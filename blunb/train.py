@@ -59,6 +59,7 @@ from blunb.data import (
     find_shards,
 )
 from blunb.launch import torchrun_command
+from blunb.metrics import Schema, group_cells
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim.build import OPTIMIZERS, build_optimizers
@@ -293,6 +294,7 @@ class _Run:
     val_set: ValidationSet
     meter: MFUMeter
     metrics: MetricsWriter | None    # rank 0 only
+    schema: Schema                   # metrics.csv's columns (every rank checks its rows against them)
     scalar_group: object             # a second process group for the loss (None at W=1)
     accum: int
     tokens_per_step: int
@@ -485,6 +487,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
     clip = facts["optimizer"]["clip"]
     run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
                train_loader=train_loader, val_set=val_set, meter=meter, metrics=None,
+               schema=Schema(name for name, _, _ in opt.groups),
                scalar_group=dist.new_group(timeout=timedelta(seconds=cfg.collective_timeout_s))
                if world_size > 1 else None, accum=accum,
                tokens_per_step=cfg.B * cfg.T * accum * world_size,
@@ -523,7 +526,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
             (run_dir / "config.json").write_text(cfg.to_json())
             (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
             run_log.to_file(run_dir / "log.txt")
-            run.metrics = MetricsWriter(run_dir / "metrics.csv", _metric_columns(opt), append=saved is not None)
+            run.metrics = MetricsWriter(run_dir / "metrics.csv", run.schema.extra, append=saved is not None)
             if diag is not None:
                 diag.open_csv(run_dir)
         except BaseException as err:  # the folder says "running" already: it must not keep saying so
@@ -746,14 +749,8 @@ def finish_step(run: _Run, p: _PendingStep) -> None:
         _write_running(run)
 
 
-def _metric_columns(opt) -> list[str]:
-    """metrics.csv after the seed's 11 columns: numeric, one column per fact (tidy)."""
-    per_group = [f"{kind}_{name}" for name, _, _ in opt.groups for kind in ("norm", "clip", "skipped")]
-    return ["opt_step_ms", "tokens", "grad_accum", "skipped", "last_val_loss", "lr_muon", "clip_covered_frac",
-            "global_clip_coef", "ns_rejected", "ns_rejected_total", "nsratio", "peak_mem_gib", *per_group]
-
-
 def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord, dt: float) -> dict:
+    """The step's metrics.csv row, by the column names blunb.metrics declares (checked against them)."""
     meter, tps = run.meter, run.tokens_per_step
     row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
            "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
@@ -765,10 +762,9 @@ def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord,
            "ns_rejected_total": rec.scalars.get("ns_rejected_total"), "nsratio": rec.scalars.get("ns_ratio"),
            "peak_mem_gib": p.peak_mem_gib}
     for name in rec.group_norms:
-        row[f"norm_{name}"] = rec.group_norms[name]
-        row[f"clip_{name}"] = rec.group_clip[name]
-        row[f"skipped_{name}"] = int(rec.group_skipped[name])
-    return row
+        row.update(group_cells(name, norm=rec.group_norms[name], clip=rec.group_clip[name],
+                               skipped=int(rec.group_skipped[name])))
+    return run.schema.check(row)
 
 
 def _step_line(step, train_loss, last_val, row, rec: StepRecord, lrs, skipped_total, nan_policy) -> str:
