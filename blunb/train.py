@@ -1,25 +1,17 @@
-"""The training loop: `python -m blunb.train` single-process, the same flags under torchrun.
+"""The trainer: `python -m blunb.train` single-process, the same flags under torchrun.
 
-    python -m blunb.train --preset tiny --max-steps 50 --run-dir results/quickstart/run0 \
-        [--optimizer adamw|muon|ddp_adamw] [--data FOLDER] [--set key=value ...]
-    torchrun --standalone --nproc_per_node=2 -m blunb.train ...
+    python -m blunb.train --preset tiny --max-steps 50 --run-dir results/quickstart/run0 [--set key=value ...]
 
-Per step: gradient accumulation to the global batch, a clipped optimizer step on the
-rank-averaged gradient, the seed's step line on rank 0, one metrics.csv row. Validation
-every val_freq steps and on the last step, over a fixed set of val_tokens split across
-ranks (the same number at every world size). A non-finite loss stops the run with an error
-naming the step (its row is written first); a non-finite gradient norm skips the step
-(nan_policy). Every collective times out after collective_timeout_s.
-
-The steady-state step never waits for the device: the loss is reduced on a second process
-group (so it never queues behind a staged parameter refresh) and step N's scalars (loss,
-norms, skip flags, clip coefficients) are copied to the host without blocking and read
-during step N+1, after its first backward is queued. dt is therefore host wall-clock
-between step starts (the seed's definition); the step line of step N appears during N+1.
-
-Layout: setup() builds everything (distributed, device, data, model, optimizers, run
-folder); train_step() queues one step; finish_step() reads it back, logs it and runs the
-health checks; train() is the loop.
+train() reads as setup -> loop -> finish. setup() checks the config, data and checkpoint before it touches
+the run folder (a bad setting leaves no trace), then builds the model and optimizer set; per step,
+train_step() queues the micro-batches and the optimizer step, and finish_step() of the previous step reads
+its scalars back (one batched copy), writes its metrics row and step line and runs the health checks. That
+read comes during the next step, after its first backward is queued, so the steady-state step never waits
+for the device: dt is host wall-clock between step starts (the seed's definition) and step N's line appears
+during N+1. A non-finite loss stops the run naming the step; a non-finite gradient norm skips the step
+(nan_policy); every collective times out after collective_timeout_s. The start-of-run report and step line
+are in blunb.report, the metrics.csv columns in blunb.metrics, deterministic=true in blunb.determinism, the
+fault injection in blunb.faults, the run's logger in blunb.run_log.
 """
 
 from __future__ import annotations
@@ -58,22 +50,23 @@ from blunb.data import (
     ensure_default_corpus,
     find_shards,
 )
+from blunb.determinism import Determinism
+from blunb.faults import Faults
 from blunb.launch import torchrun_command
 from blunb.metrics import Schema, group_cells
 from blunb.mfu import MFUMeter
 from blunb.model import BLU
 from blunb.optim.build import OPTIMIZERS, build_optimizers
 from blunb.optim.interface import OptimizerSet, StepRecord, StepStats
-from blunb.optim.layout import refresh_stages
+from blunb.report import run_facts, start_lines, step_line
+from blunb.run_log import RunLog
 from blunb.runs import (
     FolderLock,
     MetricsWriter,
     RunWriteError,
-    check_write,
     environment,
     process_info,
     set_aside_rows_from,
-    write_failed,
     write_status,
 )
 
@@ -95,9 +88,473 @@ class RunKilled(BaseException):
     A BaseException, like KeyboardInterrupt: no `except Exception` (a checkpoint save's) swallows it."""
 
 
+
 _STATUS_EVERY_S = 2.0       # status.json's "running" record, updated at most this often as steps finish
 _stop_signal: str | None = None  # the signal that is stopping this process's run (the first one)
 
+
+# ---------------------------------------------------------------- the run
+
+def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume: str | Path | None = None) -> Path:
+    """Train `cfg`, writing the run folder; returns run_dir. Works single-process and under torchrun.
+
+    resume: "auto" continues from the newest valid checkpoint in the run folder (a fresh start when
+    there is none), a path continues from that checkpoint; metrics.csv and diag.csv rows of the
+    steps it re-runs are set aside first. Config, checkpoint, run-folder and data errors are raised
+    before the run folder is touched, and so is another live run's hold on the folder (FolderLock, held
+    by rank 0 for the run's life). The folder's status.json says how the run stands: running (kept
+    current as steps finish), completed, diverged (more than diverged_skip_frac of the steps skipped),
+    failed (with the error) or killed (with the signal).
+    """
+    run_dir = Path(run_dir)
+    rank, world_size, local_rank = _dist_env()
+    device = _preflight(cfg, run_dir, overwrite or resume is not None, world_size, local_rank)
+    determinism = Determinism(cfg)
+    determinism.apply()  # before CUDA is initialized (CUBLAS_WORKSPACE_CONFIG); put back in the finally below
+    try:
+        _init_distributed(cfg, device, world_size)
+    except BaseException:
+        determinism.restore()
+        raise
+    previous_handlers = _catch_stop_signals()
+    run_log = RunLog(rank)
+    lock = FolderLock(run_dir, "run", hint="wait for it to end, or choose another --run-dir") if rank == 0 else None
+    run = None
+    try:
+        stale = _rank0_decides(lambda: lock.acquire().stale_note(), rank, world_size)  # before anything is touched
+        if stale:
+            log.warning(stale)
+        run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume),
+                    determinism)
+        _loop(run)
+        _finish_run(run)
+        return run_dir
+    except (RuntimeError, RunKilled, KeyboardInterrupt) as err:
+        stop = _stop_error(err, cfg, run)
+        if isinstance(stop, RunKilled) and lock is not None:
+            lock.mark_stopping()  # a re-issued command waits for the release rather than failing
+        _record_end(rank, run, err if stop is None else stop)
+        if stop is not None:
+            raise stop from None
+        if isinstance(err, TrainingError) and err.everywhere:
+            if run is not None:
+                run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
+            _destroy_process_group(world_size)  # every rank stopped at the same point: nothing is pending
+        raise
+    except BaseException as err:
+        _record_end(rank, run, err)
+        raise
+    finally:
+        if run is not None and run.metrics is not None:
+            run.metrics.close()
+        if run is not None and run.diag is not None:
+            run.diag.close()
+        run_log.close()
+        if lock is not None:
+            lock.release()
+        for s, handler in previous_handlers.items():
+            signal.signal(s, handler)
+        determinism.restore()
+
+
+def _loop(run: _Run) -> None:
+    """Steps start_step .. max_steps - 1: per step, a checkpoint and a validation where due, then
+    train_step(), which reads the previous step back once its own first backward is queued."""
+    cfg, device = run.cfg, run.device
+    run.start += time.perf_counter()
+    pending = None                      # the previous step, until its scalars are read
+    profiler, profile_window = None, (_profile_window(cfg, run.start_step) if run.rank == 0 else range(0))
+    for step in range(run.start_step, cfg.max_steps):
+        run.step = step
+        run.faults.stall(step, run.rank)
+        if pending is not None:
+            pending.end = time.perf_counter()
+        if profiler is not None and step == profile_window.stop:
+            _stop_profiler(profiler, run, profile_window)
+            profiler = None
+        if cfg.ckpt_freq and step > run.start_step and step % cfg.ckpt_freq == 0:
+            if pending is not None:  # the checkpoint holds only steps that passed the health checks
+                finish_step(run, pending)
+                pending = None
+            _save_checkpoint(run, step)
+        val_loss = _validate_if_due(run, step)
+        if step == profile_window.start and len(profile_window):
+            profiler = _start_profiler(device)
+        previous = pending
+        pending = train_step(run, step, val_loss,
+                             finish_previous=(lambda p=previous: finish_step(run, p)) if previous else None)
+    run.opt.drain()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if pending is not None:  # None when a resumed run had nothing left to do
+        pending.end = time.perf_counter()
+        finish_step(run, pending)
+
+
+def _stop_error(err: BaseException, cfg: TrainConfig, run: _Run | None) -> BaseException | None:
+    """What a run that stopped on `err` raises in its place, or None for `err` itself: RunKilled for
+    whatever a stop signal interrupted; a TrainingError naming the step for a run file rank 0 could not
+    write (the other ranks learn of it from torchrun) and for a collective that timed out."""
+    step = 0 if run is None else run.step
+    if _stop_signal is not None or not isinstance(err, RuntimeError):
+        return RunKilled(_stopped_line(run, _stop_signal or "SIGINT"))
+    if isinstance(err, RunWriteError):
+        return TrainingError(f"{err}; stopped at step {step}", everywhere=False)
+    if not isinstance(err, TrainingError) and _is_timeout(err):
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return TrainingError(f"a collective did not finish within collective_timeout_s={cfg.collective_timeout_s:g} "
+                             f"s at step {step} (a rank stalled or died): {first}", everywhere=False)
+    return None
+
+
+# ---------------------------------------------------------------- setup
+
+@dataclass
+class _Run:
+    """Everything the loop reads, built once by setup()."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    model: BLU
+    opt: OptimizerSet
+    train_loader: WindowLoader | ShardLoader
+    val_set: ValidationSet
+    meter: MFUMeter
+    metrics: MetricsWriter | None    # rank 0 only
+    schema: Schema                   # metrics.csv's columns (every rank checks its rows against them)
+    scalar_group: object             # a second process group for the loss (None at W=1)
+    accum: int
+    tokens_per_step: int
+    covered_frac: float
+    faults: Faults
+    diag: object | None = None       # blunb.diag.Diagnostics with diag=true
+    previous: Path | None = None     # an earlier run's files, removed after the first metrics row
+    start: float = 0.0
+    step: int = 0                    # the step the loop is at (a stopped run's error names it)
+    last_val: float | None = None
+    skipped_total: int = 0
+    processes: list = field(default_factory=list)  # process_info() of every rank, for status.json
+    status_at: float = 0.0           # time.monotonic() of the last "running" status
+    skipped_in_a_row: int = 0
+    steps_done: int = 0              # steps finished and passed the health checks
+    start_step: int = 0              # > 0 when resumed from a checkpoint
+    resumed_from: Path | None = None
+
+
+def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
+          run_log: RunLog, resume: str | None = None, determinism: Determinism | None = None) -> _Run:
+    """Data and checkpoint (checked before anything else), model, optimizers, the resumed state,
+    then the run folder and its records (determinism: the settings train() applied, recorded)."""
+    memory_line = _rank0_decides(lambda: memory.check(cfg, world_size, device), rank, world_size)
+    data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
+    resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
+    meta = corpus_meta(data_dir)
+    init_seed = cfg.resolved_init_seed()
+    torch.manual_seed(init_seed)
+    np.random.seed(init_seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    # Every rank builds the same stream from data_seed; init_seed does not touch it.
+    train_loader = build_train_loader(train_shards, cfg.B, cfg.T, rank, world_size, order=cfg.data_order,
+                                      data_seed=cfg.resolved_data_seed())
+    val_set = ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T, rank, world_size)
+
+    model = BLU(_model_config(cfg), device=device, seed=init_seed)
+    if cfg.compile:
+        # In place (nn.Module.compile): the model's forward is compiled and, through AOT autograd, its
+        # backward, with the fused kernels as opaque custom ops; parameter names, hooks, DDP and
+        # checkpoints see the same module. The optimizers' steps stay eager.
+        model.compile()
+    diag = None
+    if cfg.diag:  # before the optimizers: its gradient hooks must see the gradients before they are reduced
+        from blunb.diag import Diagnostics
+
+        diag = Diagnostics(model, rank, world_size)
+    opt = build_optimizers(model, cfg, device, world_size)
+    accum = cfg.grad_accum_steps(world_size)
+    meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
+                           device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    facts = run_facts(cfg, model, opt, device)
+    facts["determinism"] = (determinism or Determinism(cfg)).facts()
+    facts["data"] = {**train_loader.describe(), "data_seed": cfg.resolved_data_seed(), "init_seed": init_seed}
+    clip = facts["optimizer"]["clip"]
+    run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
+               train_loader=train_loader, val_set=val_set, meter=meter, metrics=None,
+               schema=Schema(name for name, _, _ in opt.groups),
+               scalar_group=dist.new_group(timeout=timedelta(seconds=cfg.collective_timeout_s))
+               if world_size > 1 else None, accum=accum,
+               tokens_per_step=cfg.B * cfg.T * accum * world_size,
+               covered_frac=clip["covered_params"] / max(clip["total_params"], 1), faults=Faults(cfg), diag=diag)
+    run.processes = _all_processes(world_size)
+    saved = _resume_state(run, resume_from) if resume_from is not None else None
+
+    # Everything is checked and built: from here on the run folder belongs to this run.
+    if rank == 0:
+        env = environment(world_size, device, shards=None if cfg.data == "default" else train_shards + val_shards)
+        env["corpus"] = {"dir": str(data_dir), **meta}
+        env["training"] = facts
+        _claim_run_dir(run, env, saved, run_log)
+    if run.previous is not None:
+        log.info(f"the earlier run in {run_dir} was moved to {run.previous} (removed after this run's first step)")
+    if saved is not None:
+        changed = {k: (v, cfg.to_dict().get(k)) for k, v in (saved.get("config") or {}).items()
+                   if cfg.to_dict().get(k) != v}
+        log.info(f"resumed at step {run.start_step} from {resume_from} (saved at world size {saved['world_size']})"
+                 + (f"; settings changed since: {changed}" if changed else ""))
+    for line in start_lines(run, facts, data_dir, meta):
+        log.info(line)
+    log.info(memory_line)
+    return run
+
+
+def _resume_state(run: _Run, resume_from: Path) -> dict:
+    """Load the checkpoint into the model, optimizers and loader, and the loop's counters from it."""
+    # rank 0 has just verified every file's sha256 (_find_checkpoint): no second full read here
+    saved = checkpoint.load(resume_from, run.model, run.opt, {"train": run.train_loader}, verify=False)
+    run.start_step = run.steps_done = saved["step"]
+    run.resumed_from = resume_from
+    extra = saved.get("extra", {})
+    run.last_val = extra.get("last_val_loss")
+    run.skipped_total, run.skipped_in_a_row = extra.get("skipped_total", 0), extra.get("skipped_in_a_row", 0)
+    run.start = -60.0 * extra.get("elapsed_min", 0.0)  # made absolute when the loop starts
+    return saved
+
+
+def _claim_run_dir(run: _Run, env: dict, saved: dict | None, run_log: RunLog) -> None:
+    """Rank 0 makes the folder this run's: an earlier run's files moved aside (a fresh start) or the rows
+    after the checkpoint set aside (a resume), then status.json, config.json, env.json, log.txt,
+    metrics.csv and diag.csv."""
+    run_dir = run.run_dir
+    if saved is None:
+        run.previous = _start_run_dir(run_dir)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)  # a checkpoint from elsewhere may start a new folder
+        aside = [set_aside_rows_from(run_dir / name, run.start_step) for name in ("metrics.csv", "diag.csv")]
+        env["resumed"] = {"from": str(run.resumed_from), "step": run.start_step,
+                          "saved_world_size": saved["world_size"],
+                          "rows_set_aside": [str(p) for p in aside if p is not None]}
+        earlier = run_dir / "env.json"
+        if earlier.is_file():
+            env["resumed"]["earlier_env"] = json.loads(earlier.read_text())
+    _write_running(run)
+    try:
+        (run_dir / "config.json").write_text(run.cfg.to_json())
+        (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
+        run_log.to_file(run_dir / "log.txt")
+        run.metrics = MetricsWriter(run_dir / "metrics.csv", run.schema.extra, append=saved is not None)
+        if run.diag is not None:
+            run.diag.open_csv(run_dir)
+    except BaseException as err:  # the folder says "running" already: it must not keep saying so
+        _record_end(run.rank, run, err)
+        raise
+
+
+# ---------------------------------------------------------------- one step
+
+class _HostCopy:
+    """A device vector copied to pinned host memory without blocking; read() waits for that copy
+    only (an event), so the host never stalls on the device's queue and no sync is issued."""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = values, None
+
+    def read(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+class _OptTimer:
+    """How long the optimizer step took, without a sync: CUDA events around it on the GPU (read once the
+    step's scalars have arrived, by which time both have completed), the wall clock on the CPU, where
+    the step runs synchronously. What overlap_backward moved into the backward is not in it."""
+
+    def __init__(self, device: torch.device):
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+        self._ms = None
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._ms = (time.perf_counter() - self._t0) * 1e3
+
+    def ms(self) -> float:
+        return self._events[0].elapsed_time(self._events[1]) if self._events is not None else self._ms
+
+
+@dataclass
+class _PendingStep:
+    """A step whose scalars are still on their way to the host."""
+
+    step: int
+    t0: float
+    lrs: dict
+    val_loss: float | None
+    last_val: float | None          # the latest validation loss when the step ran
+    stats: StepStats
+    scalars: _HostCopy
+    opt_timer: _OptTimer
+    peak_mem_gib: float | None      # the step's own peak allocation (CUDA), not the run's so far
+    end: float = 0.0
+
+
+
+def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=None) -> _PendingStep:
+    """Queue one optimizer step (accum micro-batches); `finish_previous` runs once the first
+    backward is queued, so reading the previous step's scalars never idles the device."""
+    t0 = time.perf_counter()
+    if run.device.type == "cuda":
+        # the allocator's statistics are host-side: this costs no sync; compile, autotuning and
+        # validation between steps then stay out of every step's peak
+        torch.cuda.reset_peak_memory_stats(run.device)
+    lrs = run.opt.set_lr(step)
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(run.accum):
+        if micro == 0:
+            run.faults.poison(run.model, step, run.rank)
+        origin = run.train_loader.where()
+        x, y = run.train_loader.next_batch()
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        with run.opt.micro_step(last=micro == run.accum - 1):
+            _, loss = run.opt.forward_model(x, y)
+            (loss / run.accum).backward()
+        loss_sum += loss.detach().float() / run.accum
+        if run.diag is not None:
+            run.diag.record_micro(loss.detach(), origin)
+        if micro == 0 and finish_previous is not None:
+            finish_previous()
+    work = dist.all_reduce(loss_sum, group=run.scalar_group, async_op=True) if run.world_size > 1 else None
+    opt_timer = _OptTimer(run.device)
+    stats = run.opt.step()
+    opt_timer.stop()
+    if work is not None:
+        work.wait()  # on NCCL a stream wait, not a host wait
+        loss_sum /= run.world_size
+    if run.diag is not None:  # a collective with one batched read of its own: diag costs a sync per step
+        for line in run.diag.end_step(step):
+            log.info(line)
+    scalars = _HostCopy(torch.cat([loss_sum.reshape(1), stats.values()]))
+    peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
+    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars, opt_timer, peak)
+
+
+def finish_step(run: _Run, p: _PendingStep) -> None:
+    """Read a queued step's scalars (one transfer), write its metrics row and step line, and stop
+    the run on a non-finite loss or too many skipped steps in a row."""
+    values = p.scalars.read()
+    train_loss, rec = values[0], StepRecord.from_values(p.stats, values[1:])
+    dt = p.end - p.t0
+    run.meter.observe(dt, run.tokens_per_step)
+    run.skipped_total += rec.skipped
+    run.skipped_in_a_row = run.skipped_in_a_row + 1 if rec.skipped else 0
+    row = _metrics_row(run, p, train_loss, rec, dt)
+    if run.metrics is not None:
+        run.metrics.write(row)
+        if run.previous is not None:
+            shutil.rmtree(run.previous, ignore_errors=True)
+            run.previous = None
+    line = step_line(p.step, train_loss, p.last_val, row, rec, p.lrs, run.skipped_total, run.cfg.nan_policy)
+    log.info(line + (f" | resumed at {p.step}" if run.resumed_from is not None and p.step == run.start_step else ""))
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"non-finite training loss ({train_loss}) at step {p.step}; stopping the run")
+    if run.skipped_in_a_row >= run.cfg.max_consecutive_skips:
+        raise TrainingError(f"the gradient norm was non-finite for {run.skipped_in_a_row} steps in a row (through "
+                            f"step {p.step}); stopping the run (max_consecutive_skips)")
+    run.steps_done = p.step + 1
+    if run.rank == 0 and time.monotonic() - run.status_at >= _STATUS_EVERY_S:
+        _write_running(run)
+
+
+def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord, dt: float) -> dict:
+    """The step's metrics.csv row, by the column names blunb.metrics declares (checked against them)."""
+    meter, tps = run.meter, run.tokens_per_step
+    row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
+           "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
+           "mfu": meter.mfu(dt, tps), "mfu_palm": meter.mfu_palm(dt, tps),
+           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps), "opt_step_ms": p.opt_timer.ms(),
+           "tokens": (p.step + 1) * tps, "grad_accum": run.accum, "skipped": int(rec.skipped),
+           "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
+           "global_clip_coef": rec.scalars.get("global_clip_coef"), "ns_rejected": rec.scalars.get("ns_rejected"),
+           "ns_rejected_total": rec.scalars.get("ns_rejected_total"), "nsratio": rec.scalars.get("ns_ratio"),
+           "peak_mem_gib": p.peak_mem_gib}
+    for name in rec.group_norms:
+        row.update(group_cells(name, norm=rec.group_norms[name], clip=rec.group_clip[name],
+                               skipped=int(rec.group_skipped[name])))
+    return run.schema.check(row)
+
+
+# ---------------------------------------------------------------- finish
+
+def _finish_run(run: _Run) -> None:
+    """The closing lines and status, then tear the process group down."""
+    if run.skipped_total:
+        log.info(f"{run.skipped_total} step(s) skipped for a non-finite gradient norm")
+    log.info("")
+    log.info(run.meter.summary())
+    log.info("=== Training complete ===")
+    skipped_frac = run.skipped_total / run.cfg.max_steps
+    diverged = skipped_frac > run.cfg.diverged_skip_frac
+    if diverged:
+        log.warning(f"the run diverged: {run.skipped_total} of {run.cfg.max_steps} steps skipped "
+                    f"({skipped_frac:.0%} > diverged_skip_frac={run.cfg.diverged_skip_frac:g})")
+    if run.rank == 0:
+        write_status(run.run_dir, "diverged" if diverged else "completed", run.cfg.max_steps, run.cfg.max_steps,
+                     error=f"{run.skipped_total} of {run.cfg.max_steps} steps skipped for a non-finite gradient norm "
+                           f"(more than diverged_skip_frac={run.cfg.diverged_skip_frac:g})" if diverged else None)
+    if run.metrics is not None:
+        run.metrics.close()
+        run.metrics = None
+    if run.diag is not None:
+        run.diag.close()
+        run.diag = None
+    world_size = run.world_size
+    run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
+    _destroy_process_group(world_size)
+
+
+def _destroy_process_group(world_size: int) -> None:
+    """Destroy the process group once nothing holds it: torch DDP's reducer keeps a reference
+    (and its hooks may sit in reference cycles), which would let the group's gloo threads run on
+    into interpreter exit, where they abort or deadlock the process. The caller drops its optimizer
+    set first; collecting the cycles here frees the DDP wrapper."""
+    if world_size > 1 and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _record_end(rank: int, run: _Run | None, err: BaseException) -> None:
+    """status.json for a run that did not complete: rank 0's, or another rank's for an error only that rank
+    saw (a collective that timed out there: rank 0 may be the rank that stalled, and never write again)."""
+    if run is None or not (rank == 0 or isinstance(err, TrainingError) and not err.everywhere):
+        return
+    if isinstance(err, RunKilled):
+        state, extra = "killed", {"signal": _stop_signal or "SIGINT"}
+    else:
+        state, extra = "failed", {} if rank == 0 else {"reported_by_rank": rank}
+    try:
+        write_status(run.run_dir, state, run.steps_done, run.cfg.max_steps, error=f"{type(err).__name__}: {err}",
+                     **extra)
+    except RunWriteError as write_err:
+        log.error(f"{write_err} (recording how the run ended: {err})")
+
+
+
+# ---------------------------------------------------------------- helpers
 
 def _dist_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
@@ -109,6 +566,22 @@ def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     if cfg.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
+
+
+
+def _preflight(cfg: TrainConfig, run_dir: Path, overwrite: bool, world_size: int, local_rank: int) -> torch.device:
+    """The checks that need neither data nor a process group (settings, run folder, kernels on this
+    device), then the device; kernels= goes into BLUNB_KERNELS for every op's dispatch."""
+    cfg.validate(world_size)
+    check_run_dir(run_dir, overwrite)
+    device = _pick_device(cfg, local_rank)
+    if cfg.kernels != "auto":
+        os.environ["BLUNB_KERNELS"] = cfg.kernels
+    if "triton" in kernels.parse_backends(cfg.kernels).values() and device.type == "cpu" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"kernels={cfg.kernels} on the CPU: Triton runs there only under the interpreter, "
+                          "set TRITON_INTERPRET=1")
+    return device
 
 
 _RUN_FILES = ("config.json", "env.json", "metrics.csv", "log.txt", "status.json", "diag.csv")
@@ -176,247 +649,6 @@ def _resolve_data(cfg: TrainConfig, rank: int, world_size: int) -> tuple[Path, l
     return folder, find_shards(folder, "train"), find_shards(folder, "val")
 
 
-@torch.no_grad()
-def evaluate(model, val_set: ValidationSet, B: int, device, world_size: int) -> float:
-    """Token-weighted mean loss over the fixed validation set (the same set at every W)."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)   # loss sum, tokens
-    for x, y in val_set.batches(B):
-        _, loss = model(x.to(device), y.to(device))
-        total[0] += loss.double() * y.numel()
-        total[1] += y.numel()
-    model.train()
-    if world_size > 1:
-        dist.all_reduce(total)
-    return float(total[0] / total[1])
-
-
-class _NanGradient(torch.autograd.Function):
-    """Identity forward, NaN backward: fault_nan_grad's poison, applied to the embedding output
-    so the loss stays finite and only the gradients reduced afterwards are non-finite."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.full_like(grad, float("nan"))
-
-
-def _poison_next_forward(model: torch.nn.Module):
-    """Make the next forward's embedding output poison this rank's gradient (one micro-batch)."""
-    embedding = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    handle = None
-
-    def hook(module, args, out):
-        handle.remove()
-        return _NanGradient.apply(out)
-    handle = embedding.register_forward_hook(hook)
-
-
-def _is_timeout(err: BaseException) -> bool:
-    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
-
-
-# ---------------------------------------------------------------- logging
-
-class _RunFileHandler(logging.FileHandler):
-    """log.txt. A record it cannot write (a full disk) stops the run with RunWriteError naming the
-    file, where logging's default prints '--- Logging error ---' and drops the line; after that it
-    writes nothing (the run is stopping for that error; the console still shows every line)."""
-
-    failed = False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.failed:
-            return
-        try:
-            check_write(Path(self.baseFilename))
-        except OSError as err:
-            self.failed = True
-            raise write_failed(Path(self.baseFilename), err) from err
-        super().emit(record)
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        err = sys.exc_info()[1]
-        if not isinstance(err, OSError):
-            return super().handleError(record)
-        self.failed = True
-        raise write_failed(Path(self.baseFilename), err) from err
-
-
-class _RunLog:
-    """The `blunb` logger for one run: rank 0 writes to stdout and log.txt; other ranks show
-    warnings and errors only, prefixed with their rank. close() restores the logger."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self.logger = logging.getLogger("blunb")
-        self._saved = (self.logger.level, self.logger.propagate)
-        self.logger.setLevel(logging.INFO)
-        self.logger.propagate = False  # a notebook's or pytest's root handler would print it twice
-        self._handlers: list[logging.Handler] = []
-        self._add(logging.StreamHandler(sys.stdout), logging.INFO if rank == 0 else logging.WARNING)
-
-    def _add(self, handler: logging.Handler, level: int) -> None:
-        handler.setLevel(level)
-        handler.setFormatter(logging.Formatter("%(message)s" if self.rank == 0 else f"[rank {self.rank}] %(message)s"))
-        self.logger.addHandler(handler)
-        self._handlers.append(handler)
-
-    def to_file(self, path: Path) -> None:
-        if self.rank == 0:
-            self._add(_RunFileHandler(path, mode="a"), logging.INFO)
-
-    def close(self) -> None:
-        for h in self._handlers:
-            self.logger.removeHandler(h)
-            h.close()
-        self.logger.setLevel(self._saved[0])
-        self.logger.propagate = self._saved[1]
-
-
-# ---------------------------------------------------------------- setup
-
-@dataclass
-class _Run:
-    """Everything the loop reads, built once by setup()."""
-
-    cfg: TrainConfig
-    run_dir: Path
-    rank: int
-    world_size: int
-    device: torch.device
-    model: BLU
-    opt: OptimizerSet
-    train_loader: WindowLoader | ShardLoader
-    val_set: ValidationSet
-    meter: MFUMeter
-    metrics: MetricsWriter | None    # rank 0 only
-    schema: Schema                   # metrics.csv's columns (every rank checks its rows against them)
-    scalar_group: object             # a second process group for the loss (None at W=1)
-    accum: int
-    tokens_per_step: int
-    covered_frac: float
-    diag: object | None = None       # blunb.diag.Diagnostics with diag=true
-    previous: Path | None = None     # an earlier run's files, removed after the first metrics row
-    nan_at: set = field(default_factory=set)
-    stall_at: set = field(default_factory=set)
-    start: float = 0.0
-    last_val: float | None = None
-    skipped_total: int = 0
-    processes: list = field(default_factory=list)  # process_info() of every rank, for status.json
-    status_at: float = 0.0           # time.monotonic() of the last "running" status
-    skipped_in_a_row: int = 0
-    steps_done: int = 0              # steps finished and passed the health checks
-    start_step: int = 0              # > 0 when resumed from a checkpoint
-    resumed_from: Path | None = None
-
-
-# The CUBLAS_WORKSPACE_CONFIG values cuBLAS documents as reproducible (the two torch's deterministic mode accepts).
-CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
-
-
-class _Determinism:
-    """deterministic=true's process-wide settings: train() applies them before CUDA is initialized and puts
-    torch's flags back when it returns (a notebook or a test calling train() in-process gets its own back).
-
-    - torch.use_deterministic_algorithms(True), warn_only=False: every op with a deterministic variant runs
-      it (the embedding backward; index_put; SDPA's flash backward, and its cuDNN backend is excluded), one
-      without raises naming itself, and torch.empty memory is filled (fill_uninitialized_memory, torch's
-      default under the flag).
-    - CUBLAS_WORKSPACE_CONFIG, torch.backends.cudnn.deterministic / benchmark=False.
-    - blunb's kernels follow torch's flag (blunb/kernels/__init__.py): fixed Triton configs, backend
-      choices by shape, nothing timed.
-    - compile=true: Inductor's deterministic mode (its timed choices that change numerics are off).
-    """
-
-    def __init__(self, cfg: TrainConfig):
-        self.on, self.compile = cfg.deterministic, cfg.compile
-        self.notes: list[str] = []  # what the log and env.json must say about how the settings were applied
-        self._saved: dict | None = None
-
-    def apply(self) -> None:
-        if not self.on:
-            return
-        self._saved = {"algorithms": (torch.are_deterministic_algorithms_enabled(),
-                                      torch.is_deterministic_algorithms_warn_only_enabled()),
-                       "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)}
-        # torch sizes cuBLAS's workspace from this variable once, on the first GEMM of the process: it goes
-        # into the environment here, before CUDA is initialized. It stays set afterwards (what was read
-        # cannot be unread). A value set already is kept only if it is one of the reproducible ones.
-        env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-        if env not in CUBLAS_DETERMINISTIC:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC[0]
-            if env is not None:
-                self.notes.append(f"CUBLAS_WORKSPACE_CONFIG={env!r} is not reproducible (one of "
-                                  f"{', '.join(CUBLAS_DETERMINISTIC)}): replaced by {CUBLAS_DETERMINISTIC[0]}")
-            if torch.cuda.is_initialized():
-                self.notes.append("CUDA was in use in this process before CUBLAS_WORKSPACE_CONFIG was set: a GEMM "
-                                  "before it fixed cuBLAS's workspace already; a fresh process is reproducible")
-        if self.compile:
-            import torch._inductor.config as inductor_config
-
-            if hasattr(inductor_config, "deterministic"):
-                self._saved["inductor"] = inductor_config.deterministic  # before torch's flag (newer torch ties them)
-            else:
-                self.notes.append(f"torch {torch.__version__}'s Inductor has no deterministic mode: its timed "
-                                  "reduction configs may differ between runs")
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        if "inductor" in self._saved:
-            inductor_config.deterministic = True
-
-    def restore(self) -> None:
-        if self._saved is None:
-            return
-        on, warn_only = self._saved["algorithms"]
-        torch.use_deterministic_algorithms(on, warn_only=warn_only)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self._saved["cudnn"]
-        if "inductor" in self._saved:
-            import torch._inductor.config as inductor_config
-
-            inductor_config.deterministic = self._saved["inductor"]
-        self._saved = None
-
-    def facts(self) -> dict:
-        """env.json's record of the settings as they stand (torch's flag also when a caller set it)."""
-        import torch.utils.deterministic
-
-        fixed = torch.are_deterministic_algorithms_enabled()
-        out = {"deterministic": self.on, "torch_deterministic_algorithms": fixed,
-               "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-               "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
-               "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-               "cudnn_deterministic": torch.backends.cudnn.deterministic,
-               "cudnn_benchmark": torch.backends.cudnn.benchmark,
-               "triton_configs": "fixed" if fixed else "autotuned (timed)",
-               "backend_choice": "by shape (flash attention: triton; syrk: cuBLAS)" if fixed else
-                                 "timed where a kernel decides per shape (flash attention, syrk)",
-               "notes": list(self.notes)}
-        if self.compile:
-            import torch._inductor.config as inductor_config
-
-            out["inductor_deterministic"] = getattr(inductor_config, "deterministic", None)
-        return out
-
-
-def _determinism_lines(d: dict) -> list[str]:
-    """The start line(s) saying which deterministic=true settings the run set (from env.json's record)."""
-    if not d["deterministic"]:
-        return ["determinism: off (deterministic=false): Triton configs and some backend choices are timed; two "
-                "runs can differ from step 0"]
-    parts = ["torch.use_deterministic_algorithms(True) (an op without a deterministic implementation raises)",
-             f"CUBLAS_WORKSPACE_CONFIG={d['cublas_workspace_config']}", "cuDNN deterministic, benchmark off",
-             "SDPA's deterministic backends (no cuDNN attention)", "uninitialized memory filled"
-             if d["fill_uninitialized_memory"] else "uninitialized memory not filled",
-             f"Triton configs {d['triton_configs']}", f"backend choice {d['backend_choice']}"]
-    if "inductor_deterministic" in d:
-        parts.append("Inductor deterministic" if d["inductor_deterministic"] else "Inductor NOT deterministic")
-    return ["determinism: deterministic=true: " + ", ".join(parts), *(f"  WARNING: {n}" for n in d["notes"])]
-
-
 def _init_distributed(cfg: TrainConfig, device: torch.device, world_size: int) -> None:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
@@ -447,349 +679,19 @@ def _find_checkpoint(run_dir: Path, resume: str) -> Path | None:
     return Path(resume)
 
 
-def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
-          run_log: _RunLog, resume: str | None = None, determinism: _Determinism | None = None) -> _Run:
-    """Data and checkpoint (checked before anything else), model, optimizers, the resumed state,
-    then the run folder and its records (determinism: the settings train() applied, recorded)."""
-    memory_line = _rank0_decides(lambda: memory.check(cfg, world_size, device), rank, world_size)
-    data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
-    resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
-    meta = corpus_meta(data_dir)
-    init_seed = cfg.resolved_init_seed()
-    torch.manual_seed(init_seed)
-    np.random.seed(init_seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    # Every rank builds the same stream from data_seed; init_seed does not touch it.
-    train_loader = build_train_loader(train_shards, cfg.B, cfg.T, rank, world_size, order=cfg.data_order,
-                                      data_seed=cfg.resolved_data_seed())
-    val_set = ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T, rank, world_size)
-
-    model = BLU(_model_config(cfg), device=device, seed=init_seed)
-    if cfg.compile:
-        # In place (nn.Module.compile): the model's forward is compiled and, through AOT autograd, its
-        # backward, with the fused kernels as opaque custom ops; parameter names, hooks, DDP and
-        # checkpoints see the same module. The optimizers' steps stay eager.
-        model.compile()
-    diag = None
-    if cfg.diag:  # before the optimizers: its gradient hooks must see the gradients before they are reduced
-        from blunb.diag import Diagnostics
-
-        diag = Diagnostics(model, rank, world_size)
-    opt = build_optimizers(model, cfg, device, world_size)
-    accum = cfg.grad_accum_steps(world_size)
-    meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
-                           device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    facts = _run_facts(cfg, model, opt, device)
-    facts["determinism"] = (determinism or _Determinism(cfg)).facts()
-    facts["data"] = {**train_loader.describe(), "data_seed": cfg.resolved_data_seed(), "init_seed": init_seed}
-    clip = facts["optimizer"]["clip"]
-    run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
-               train_loader=train_loader, val_set=val_set, meter=meter, metrics=None,
-               schema=Schema(name for name, _, _ in opt.groups),
-               scalar_group=dist.new_group(timeout=timedelta(seconds=cfg.collective_timeout_s))
-               if world_size > 1 else None, accum=accum,
-               tokens_per_step=cfg.B * cfg.T * accum * world_size,
-               covered_frac=clip["covered_params"] / max(clip["total_params"], 1), diag=diag,
-               nan_at=cfg.fault_nan_grad_at(), stall_at=cfg.fault_stall_at())
-    run.processes = _all_processes(world_size)
-
-    saved = None
-    if resume_from is not None:
-        # rank 0 has just verified every file's sha256 (_find_checkpoint): no second full read here
-        saved = checkpoint.load(resume_from, model, opt, {"train": train_loader}, verify=False)
-        run.start_step = run.steps_done = saved["step"]
-        run.resumed_from = resume_from
-        extra = saved.get("extra", {})
-        run.last_val = extra.get("last_val_loss")
-        run.skipped_total, run.skipped_in_a_row = extra.get("skipped_total", 0), extra.get("skipped_in_a_row", 0)
-        run.start = -60.0 * extra.get("elapsed_min", 0.0)  # made absolute when the loop starts
-
-    # Everything is checked and built: from here on the run folder belongs to this run.
-    if rank == 0:
-        env = environment(world_size, device, shards=None if cfg.data == "default" else train_shards + val_shards)
-        env["corpus"] = {"dir": str(data_dir), **meta}
-        env["training"] = facts
-        if saved is None:
-            run.previous = _start_run_dir(run_dir)
-        else:
-            run_dir.mkdir(parents=True, exist_ok=True)  # a checkpoint from elsewhere may start a new folder
-            aside = [set_aside_rows_from(run_dir / name, run.start_step) for name in ("metrics.csv", "diag.csv")]
-            env["resumed"] = {"from": str(resume_from), "step": run.start_step, "saved_world_size": saved["world_size"],
-                              "rows_set_aside": [str(p) for p in aside if p is not None]}
-            earlier = run_dir / "env.json"
-            if earlier.is_file():
-                env["resumed"]["earlier_env"] = json.loads(earlier.read_text())
-        _write_running(run)
-        try:
-            (run_dir / "config.json").write_text(cfg.to_json())
-            (run_dir / "env.json").write_text(json.dumps(env, indent=2, default=str))
-            run_log.to_file(run_dir / "log.txt")
-            run.metrics = MetricsWriter(run_dir / "metrics.csv", run.schema.extra, append=saved is not None)
-            if diag is not None:
-                diag.open_csv(run_dir)
-        except BaseException as err:  # the folder says "running" already: it must not keep saying so
-            _record_end(rank, run, err)
-            raise
-    if run.previous is not None:
-        log.info(f"the earlier run in {run_dir} was moved to {run.previous} (removed after this run's first step)")
-    if saved is not None:
-        changed = {k: (v, cfg.to_dict().get(k)) for k, v in (saved.get("config") or {}).items()
-                   if cfg.to_dict().get(k) != v}
-        log.info(f"resumed at step {run.start_step} from {resume_from} (saved at world size {saved['world_size']})"
-                 + (f"; settings changed since: {changed}" if changed else ""))
-    for line in _start_lines(run, facts, data_dir, meta):
-        log.info(line)
-    log.info(memory_line)
-    return run
-
-
-def _run_facts(cfg: TrainConfig, model: BLU, opt, device: torch.device) -> dict:
-    """The start-of-run record (env.json "training"): precision layout, optimizer set, stage map."""
-    described = opt.describe()
-    facts = {"precision": {**model.precision_layout(), "optimizer_masters": described["precision"]["masters"]},
-             "optimizer": described,
-             "kernels": kernels.describe(device),
-             "dt": "host wall-clock between step starts; no per-step device sync"}
-    if cfg.overlap_refresh:   # validate() allows it only where a ZeRO-1 set reads it
-        names = {id(m): name or "<model>" for name, m in model.named_modules()}
-        stages = refresh_stages(model)
-        covered = {id(p) for _, ps in stages for p in ps}
-        facts["refresh_stages"] = [{"stage": i, "module": names.get(id(m), type(m).__name__), "params": len(ps),
-                                    "numel": sum(p.numel() for p in ps)} for i, (m, ps) in enumerate(stages)]
-        facts["refresh_uncovered"] = [n for n, p in model.named_parameters() if id(p) not in covered]
-    return facts
-
-
-def _start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]:
-    """What the seed prints at the start of a run, from the same facts env.json records."""
-    cfg, o = run.cfg, facts["optimizer"]
-    prec = facts["precision"]
-    lines = [f"blunb {cfg.preset}: {run.model.num_params():,} params | world {run.world_size} x {run.device} | "
-             f"B {cfg.B} T {cfg.T} accum {run.accum} -> {run.tokens_per_step:,} tokens/step",
-             "precision: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in prec.items())]
-    head = f"optimizer: {o['label']} over {o['world_size']} rank(s)"
-    if "zero" in o:
-        z = o["zero"]
-        head += (f" | collective {z['collective']}" + (f", muon {z['muon_collective']} ({z['muon_buckets']} buckets)"
-                                                       if z["muon_collective"] else "")
-                 + f" | reduce_dtype {z['reduce_dtype']} | overlap_backward {z['overlap_backward']} | "
-                 f"overlap_refresh {z['overlap_refresh']} | bucket {z['bucket_mb']:g} MiB | state "
-                 f"{o['state_bytes_this_rank'] / 2**20:.1f} MiB on this rank")
-    lines.append(head)
-    lines += [f"  G{i} {g['name']}: {g['params']:,} params, lr {g['lr_max']:g} -> {g['lr_min']:g}"
-              for i, g in enumerate(o["groups"])]
-    c = o["clip"]
-    pct = 100.0 * c["covered_params"] / max(c["total_params"], 1)
-    lines.append(f"  grad clip {c['max_norm']:g} ({c['mode']}) covers {c['covered_params']:,} / "
-                 f"{c['total_params']:,} params ({pct:.2f}%)")
-    if c["max_norm"] > 0 and pct < 25.0:
-        lines.append(f"  WARNING: the clip leaves {100 - pct:.2f}% of parameters (the orthogonalized matrices) "
-                     "unclipped")
-    lines.append(f"  weight decay on {o['decayed_params']:,} params (>= 2-D), none on {o['non_decayed_params']:,}")
-    if "muon" in o:
-        m = o["muon"]
-        lines.append(f"  muon: {m['matrices']} matrices, lr {m['lr_max']:g} -> {m['lr_min']:g}, momentum "
-                     f"{m['momentum']}, nesterov {m['nesterov']}, NS{m['ns_steps']}, adjust_lr {m['adjust_lr']}, "
-                     f"wd {m['weight_decay']:g}, collective buckets {m['comm_buffer_bytes'] / 2**20:.1f} MiB")
-    if "refresh_stages" in facts:
-        st = facts["refresh_stages"]
-        lines.append(f"  refresh stages: {len(st)} (" + ", ".join(f"{s['module']} {s['numel']:,}" for s in st[:3])
-                     + (", ..." if len(st) > 3 else "") + ")")
-        if facts["refresh_uncovered"]:
-            lines.append(f"  WARNING: no refresh stage covers {', '.join(facts['refresh_uncovered'])}: installed "
-                         "with stage 0, not overlapped")
-    lines.append("kernels: " + " ".join(f"{op}={b}" for op, b in facts["kernels"].items()))
-    lines += _determinism_lines(facts["determinism"])
-    lines.append(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
-                 f"validation: {run.val_set.n_seq * cfg.T:,} tokens split over {run.world_size} rank(s)")
-    d = facts["data"]
-    if d["order"] == "windows":
-        order = (f"{d['windows']:,} windows of {d['window_tokens']} tokens (stride {d['stride']}) over {d['shards']} "
-                 f"shard(s), permuted afresh each epoch (one epoch: {d['windows'] * cfg.T / run.tokens_per_step:,.1f} "
-                 "steps)")
-    else:
-        order = f"legacy, whole shards permuted ({', '.join(d['shards'])}), each read strided"
-    lines.append(f"data order: {d['order']}, data_seed {d['data_seed']}: {order}; init_seed {d['init_seed']}")
-    lines.append(f"non-finite gradient norm: nan_policy={cfg.nan_policy} "
-                 + ("(the whole step is skipped on every rank)" if cfg.nan_policy == "step"
-                    else "(only the group whose norm is non-finite skips, as the reference trainer)"))
-    lines.append(f"dt: {facts['dt']} (step N's line is printed during step N+1)")
-    if run.nan_at or run.stall_at:
-        lines.append(f"FAULT INJECTION (testing aid): fault_nan_grad={cfg.fault_nan_grad!r} "
-                     f"fault_stall={cfg.fault_stall!r}")
-    lines.append(run.meter.banner(run.model.num_params(), run.tokens_per_step))
-    return lines
-
-
-# ---------------------------------------------------------------- one step
-
-class _HostCopy:
-    """A device vector copied to pinned host memory without blocking; read() waits for that copy
-    only (an event), so the host never stalls on the device's queue and no sync is issued."""
-
-    def __init__(self, values: torch.Tensor):
-        if values.device.type == "cuda":
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host, self._event = values, None
-
-    def read(self) -> list[float]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
-
-
-class _OptTimer:
-    """How long the optimizer step took, without a sync: CUDA events around it on the GPU (read once the
-    step's scalars have arrived, by which time both have completed), the wall clock on the CPU, where
-    the step runs synchronously. What overlap_backward moved into the backward is not in it."""
-
-    def __init__(self, device: torch.device):
-        self._events = None
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        self._t0 = time.perf_counter()
-        self._ms = None
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._ms = (time.perf_counter() - self._t0) * 1e3
-
-    def ms(self) -> float:
-        return self._events[0].elapsed_time(self._events[1]) if self._events is not None else self._ms
-
-
-@dataclass
-class _PendingStep:
-    """A step whose scalars are still on their way to the host."""
-
-    step: int
-    t0: float
-    lrs: dict
-    val_loss: float | None
-    last_val: float | None          # the latest validation loss when the step ran
-    stats: StepStats
-    scalars: _HostCopy
-    opt_timer: _OptTimer
-    peak_mem_gib: float | None      # the step's own peak allocation (CUDA), not the run's so far
-    end: float = 0.0
-
-
-def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=None) -> _PendingStep:
-    """Queue one optimizer step (accum micro-batches); `finish_previous` runs once the first
-    backward is queued, so reading the previous step's scalars never idles the device."""
-    t0 = time.perf_counter()
-    if run.device.type == "cuda":
-        # the allocator's statistics are host-side: this costs no sync; compile, autotuning and
-        # validation between steps then stay out of every step's peak
-        torch.cuda.reset_peak_memory_stats(run.device)
-    lrs = run.opt.set_lr(step)
-    loss_sum = torch.zeros((), device=run.device)
-    for micro in range(run.accum):
-        if micro == 0 and (step, run.rank) in run.nan_at:
-            _poison_next_forward(run.model)
-        origin = run.train_loader.where()
-        x, y = run.train_loader.next_batch()
-        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-        with run.opt.micro_step(last=micro == run.accum - 1):
-            _, loss = run.opt.forward_model(x, y)
-            (loss / run.accum).backward()
-        loss_sum += loss.detach().float() / run.accum
-        if run.diag is not None:
-            run.diag.record_micro(loss.detach(), origin)
-        if micro == 0 and finish_previous is not None:
-            finish_previous()
-    work = dist.all_reduce(loss_sum, group=run.scalar_group, async_op=True) if run.world_size > 1 else None
-    opt_timer = _OptTimer(run.device)
-    stats = run.opt.step()
-    opt_timer.stop()
-    if work is not None:
-        work.wait()  # on NCCL a stream wait, not a host wait
-        loss_sum /= run.world_size
-    if run.diag is not None:  # a collective with one batched read of its own: diag costs a sync per step
-        for line in run.diag.end_step(step):
-            log.info(line)
-    scalars = _HostCopy(torch.cat([loss_sum.reshape(1), stats.values()]))
-    peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
-    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars, opt_timer, peak)
-
-
-def finish_step(run: _Run, p: _PendingStep) -> None:
-    """Read a queued step's scalars (one transfer), write its metrics row and step line, and stop
-    the run on a non-finite loss or too many skipped steps in a row."""
-    values = p.scalars.read()
-    train_loss, rec = values[0], StepRecord.from_values(p.stats, values[1:])
-    dt = p.end - p.t0
-    run.meter.observe(dt, run.tokens_per_step)
-    run.skipped_total += rec.skipped
-    run.skipped_in_a_row = run.skipped_in_a_row + 1 if rec.skipped else 0
-    row = _metrics_row(run, p, train_loss, rec, dt)
-    if run.metrics is not None:
-        run.metrics.write(row)
-        if run.previous is not None:
-            shutil.rmtree(run.previous, ignore_errors=True)
-            run.previous = None
-    line = _step_line(p.step, train_loss, p.last_val, row, rec, p.lrs, run.skipped_total, run.cfg.nan_policy)
-    log.info(line + (f" | resumed at {p.step}" if run.resumed_from is not None and p.step == run.start_step else ""))
-    if not math.isfinite(train_loss):
-        raise TrainingError(f"non-finite training loss ({train_loss}) at step {p.step}; stopping the run")
-    if run.skipped_in_a_row >= run.cfg.max_consecutive_skips:
-        raise TrainingError(f"the gradient norm was non-finite for {run.skipped_in_a_row} steps in a row (through "
-                            f"step {p.step}); stopping the run (max_consecutive_skips)")
-    run.steps_done = p.step + 1
-    if run.rank == 0 and time.monotonic() - run.status_at >= _STATUS_EVERY_S:
-        _write_running(run)
-
-
-def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord, dt: float) -> dict:
-    """The step's metrics.csv row, by the column names blunb.metrics declares (checked against them)."""
-    meter, tps = run.meter, run.tokens_per_step
-    row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
-           "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
-           "mfu": meter.mfu(dt, tps), "mfu_palm": meter.mfu_palm(dt, tps),
-           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps), "opt_step_ms": p.opt_timer.ms(),
-           "tokens": (p.step + 1) * tps, "grad_accum": run.accum, "skipped": int(rec.skipped),
-           "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
-           "global_clip_coef": rec.scalars.get("global_clip_coef"), "ns_rejected": rec.scalars.get("ns_rejected"),
-           "ns_rejected_total": rec.scalars.get("ns_rejected_total"), "nsratio": rec.scalars.get("ns_ratio"),
-           "peak_mem_gib": p.peak_mem_gib}
-    for name in rec.group_norms:
-        row.update(group_cells(name, norm=rec.group_norms[name], clip=rec.group_clip[name],
-                               skipped=int(rec.group_skipped[name])))
-    return run.schema.check(row)
-
-
-def _step_line(step, train_loss, last_val, row, rec: StepRecord, lrs, skipped_total, nan_policy) -> str:
-    """The reference trainer's step line, plus blunb's group norms and skip notes."""
-    val_txt = f"{last_val:.6f}" if last_val is not None else "n/a"
-    mfu_txt = "n/a" if math.isnan(row["mfu"]) else f"{row['mfu'] * 100:.2f}%"
-    line = (f"step {step:6d} | train {train_loss:.6f} | val {val_txt} | tok/s {row['tok_per_sec']:.2f} | "
-            f"norm {rec.grad_norm:.4f} | dt {row['dt_ms']:.2f} ms | mfu {mfu_txt} | "
-            f"TF/gpu {row['tflops_per_gpu']:.1f} | lr {lrs['lr']:.4e}")
-    if len(rec.group_norms) > 1:
-        line += "".join(f" | {k} {v:.4f}" for k, v in rec.group_norms.items())
-    s = rec.scalars
-    if "global_clip_coef" in s:
-        line += f" | globalclip {s['global_clip_coef']:.4f}"
-    if "ns_rejected" in s:
-        line += f" | nsrej {s['ns_rejected']}/{s['ns_rejected_total']} | nsratio {s['ns_ratio']:.3f}"
-    if rec.skipped:
-        bad = [k for k, v in rec.group_norms.items() if not math.isfinite(v)]
-        where = f" in {', '.join(bad)}" if bad else ""
-        if nan_policy == "group" and len(rec.skipped_groups) < len(rec.group_norms):
-            line += f" | SKIPPED {', '.join(rec.skipped_groups)} only (non-finite norm; nan_policy=group"
-        else:
-            line += f" | SKIPPED (non-finite gradient norm{where}; every group skipped"
-        line += f"; {skipped_total} so far)"
-    return line
+@torch.no_grad()
+def evaluate(model, val_set: ValidationSet, B: int, device, world_size: int) -> float:
+    """Token-weighted mean loss over the fixed validation set (the same set at every W)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)   # loss sum, tokens
+    for x, y in val_set.batches(B):
+        _, loss = model(x.to(device), y.to(device))
+        total[0] += loss.double() * y.numel()
+        total[1] += y.numel()
+    model.train()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 def _validation_due(cfg: TrainConfig, step: int) -> bool:
@@ -839,163 +741,11 @@ def _stop_profiler(profiler, run: _Run, window: range) -> None:
              "profile_kernels.csv):\n" + categories.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
 
-# ---------------------------------------------------------------- the loop
-
-def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume: str | Path | None = None) -> Path:
-    """Train `cfg`, writing the run folder; returns run_dir. Works single-process and under torchrun.
-
-    resume: "auto" continues from the newest valid checkpoint in the run folder (a fresh start when
-    there is none), a path continues from that checkpoint; metrics.csv and diag.csv rows of the
-    steps it re-runs are set aside first. Config, checkpoint, run-folder and data errors are raised
-    before the run folder is touched, and so is another live run's hold on the folder (FolderLock, held
-    by rank 0 for the run's life). The folder's status.json says how the run stands: running (kept
-    current as steps finish), completed, diverged (more than diverged_skip_frac of the steps skipped),
-    failed (with the error) or killed (with the signal).
-    """
-    run_dir = Path(run_dir)
-    rank, world_size, local_rank = _dist_env()
-    cfg.validate(world_size)
-    check_run_dir(run_dir, overwrite or resume is not None)
-    device = _pick_device(cfg, local_rank)
-    if cfg.kernels != "auto":
-        os.environ["BLUNB_KERNELS"] = cfg.kernels
-    if "triton" in kernels.parse_backends(cfg.kernels).values() and device.type == "cpu" \
-            and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"kernels={cfg.kernels} on the CPU: Triton runs there only under the interpreter, "
-                          "set TRITON_INTERPRET=1")
-    determinism = _Determinism(cfg)
-    determinism.apply()  # before CUDA is initialized (CUBLAS_WORKSPACE_CONFIG); put back in the finally below
-    try:
-        _init_distributed(cfg, device, world_size)
-    except BaseException:
-        determinism.restore()
-        raise
-    global _stop_signal
-    _stop_signal = None
-    _stop_with_the_launcher()
-    previous_handlers = {s: signal.signal(s, _raise_killed) for s in (signal.SIGTERM, signal.SIGINT)} \
-        if threading.current_thread() is threading.main_thread() else {}
-    run_log = _RunLog(rank)
-    lock = FolderLock(run_dir, "run", hint="wait for it to end, or choose another --run-dir") if rank == 0 else None
-    run = None
-    step = 0
-    try:
-        stale = _rank0_decides(lambda: lock.acquire().stale_note(), rank, world_size)  # before anything is touched
-        if stale:
-            log.warning(stale)
-        run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume),
-                    determinism)
-        run.start += time.perf_counter()
-        pending = None                      # the previous step, until its scalars are read
-        profiler, profile_window = None, (_profile_window(cfg, run.start_step) if rank == 0 else range(0))
-        for step in range(run.start_step, cfg.max_steps):
-            if (step, rank) in run.stall_at:
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if pending is not None:
-                pending.end = time.perf_counter()
-            if profiler is not None and step == profile_window.stop:
-                _stop_profiler(profiler, run, profile_window)
-                profiler = None
-            if cfg.ckpt_freq and step > run.start_step and step % cfg.ckpt_freq == 0:
-                if pending is not None:  # the checkpoint holds only steps that passed the health checks
-                    finish_step(run, pending)
-                    pending = None
-                _save_checkpoint(run, step)
-            val_loss = _validate_if_due(run, step)
-            if step == profile_window.start and len(profile_window):
-                profiler = _start_profiler(device)
-            previous = pending
-            pending = train_step(run, step, val_loss,
-                                 finish_previous=(lambda p=previous: finish_step(run, p)) if previous else None)
-        run.opt.drain()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if pending is not None:  # None when a resumed run had nothing left to do
-            pending.end = time.perf_counter()
-            finish_step(run, pending)
-        _finish_run(run)
-        return run_dir
-    except (RuntimeError, RunKilled, KeyboardInterrupt) as err:
-        if _stop_signal is not None or not isinstance(err, RuntimeError):  # whatever a stop signal interrupted
-            if lock is not None:
-                lock.mark_stopping()  # a re-issued command waits for the release rather than failing
-            err = RunKilled(_stopped_line(run, _stop_signal or "SIGINT", step))
-            _record_end(rank, run, err)
-            raise err from None
-        if isinstance(err, RunWriteError):  # rank 0's own files: the others learn of it from torchrun
-            err = TrainingError(f"{err}; stopped at step {step}", everywhere=False)
-            _record_end(rank, run, err)
-            raise err from None
-        if isinstance(err, RuntimeError) and not isinstance(err, TrainingError) and _is_timeout(err):
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            err = TrainingError(f"a collective did not finish within collective_timeout_s={cfg.collective_timeout_s:g} "
-                                f"s at step {step} (a rank stalled or died): {first}", everywhere=False)
-            _record_end(rank, run, err)
-            raise err from None
-        _record_end(rank, run, err)
-        if isinstance(err, TrainingError) and err.everywhere:
-            if run is not None:
-                run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
-            _destroy_process_group(world_size)  # every rank stopped at the same point: nothing is pending
-        raise
-    except BaseException as err:
-        _record_end(rank, run, err)
-        raise
-    finally:
-        if run is not None and run.metrics is not None:
-            run.metrics.close()
-        if run is not None and run.diag is not None:
-            run.diag.close()
-        run_log.close()
-        if lock is not None:
-            lock.release()
-        for s, handler in previous_handlers.items():
-            signal.signal(s, handler)
-        determinism.restore()
-
-
 def _save_checkpoint(run: _Run, step: int) -> None:
     """checkpoints/step_<step>/ (the next step to run); a failed save is logged and the run goes on."""
     extra = {"last_val_loss": run.last_val, "skipped_total": run.skipped_total,
              "skipped_in_a_row": run.skipped_in_a_row, "elapsed_min": (time.perf_counter() - run.start) / 60}
     checkpoint.save(run.run_dir, step, run.model, run.opt, {"train": run.train_loader}, extra, keep=run.cfg.ckpt_keep)
-
-
-def _finish_run(run: _Run) -> None:
-    """The closing lines and status, then tear the process group down."""
-    if run.skipped_total:
-        log.info(f"{run.skipped_total} step(s) skipped for a non-finite gradient norm")
-    log.info("")
-    log.info(run.meter.summary())
-    log.info("=== Training complete ===")
-    skipped_frac = run.skipped_total / run.cfg.max_steps
-    diverged = skipped_frac > run.cfg.diverged_skip_frac
-    if diverged:
-        log.warning(f"the run diverged: {run.skipped_total} of {run.cfg.max_steps} steps skipped "
-                    f"({skipped_frac:.0%} > diverged_skip_frac={run.cfg.diverged_skip_frac:g})")
-    if run.rank == 0:
-        write_status(run.run_dir, "diverged" if diverged else "completed", run.cfg.max_steps, run.cfg.max_steps,
-                     error=f"{run.skipped_total} of {run.cfg.max_steps} steps skipped for a non-finite gradient norm "
-                           f"(more than diverged_skip_frac={run.cfg.diverged_skip_frac:g})" if diverged else None)
-    if run.metrics is not None:
-        run.metrics.close()
-        run.metrics = None
-    if run.diag is not None:
-        run.diag.close()
-        run.diag = None
-    world_size = run.world_size
-    run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
-    _destroy_process_group(world_size)
-
-
-def _destroy_process_group(world_size: int) -> None:
-    """Destroy the process group once nothing holds it: torch DDP's reducer keeps a reference
-    (and its hooks may sit in reference cycles), which would let the group's gloo threads run on
-    into interpreter exit, where they abort or deadlock the process. The caller drops its optimizer
-    set first; collecting the cycles here frees the DDP wrapper."""
-    if world_size > 1 and dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def _all_processes(world_size: int) -> list[dict]:
@@ -1012,6 +762,23 @@ def _write_running(run: _Run) -> None:
     from them whether the run still lives)."""
     write_status(run.run_dir, "running", run.steps_done, run.cfg.max_steps, processes=run.processes)
     run.status_at = time.monotonic()
+
+
+def _is_timeout(err: BaseException) -> bool:
+    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
+
+# ---------------------------------------------------------------- stop signals
+
+def _catch_stop_signals() -> dict:
+    """SIGTERM and SIGINT raise RunKilled from here on (in the main thread: Python delivers signals only
+    there) and the run stops with its launcher; returns the handlers to put back."""
+    global _stop_signal
+    _stop_signal = None
+    _stop_with_the_launcher()
+    return {s: signal.signal(s, _raise_killed) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
 
 
 def _stop_with_the_launcher() -> None:
@@ -1034,7 +801,8 @@ def _raise_killed(signum, frame):
     raise RunKilled(f"stopped by {_stop_signal}")
 
 
-def _stopped_line(run: _Run | None, sig: str, step: int) -> str:
+
+def _stopped_line(run: _Run | None, sig: str) -> str:
     """The one line a signal-stopped run prints: where it stopped and how to go on."""
     if run is None:
         return f"stopped by {sig} before the first step"
@@ -1044,21 +812,7 @@ def _stopped_line(run: _Run | None, sig: str, step: int) -> str:
             + ("; continue with --resume auto" if resumable else ""))
 
 
-def _record_end(rank: int, run: _Run | None, err: BaseException) -> None:
-    """status.json for a run that did not complete: rank 0's, or another rank's for an error only that rank
-    saw (a collective that timed out there: rank 0 may be the rank that stalled, and never write again)."""
-    if run is None or not (rank == 0 or isinstance(err, TrainingError) and not err.everywhere):
-        return
-    if isinstance(err, RunKilled):
-        state, extra = "killed", {"signal": _stop_signal or "SIGINT"}
-    else:
-        state, extra = "failed", {} if rank == 0 else {"reported_by_rank": rank}
-    try:
-        write_status(run.run_dir, state, run.steps_done, run.cfg.max_steps, error=f"{type(err).__name__}: {err}",
-                     **extra)
-    except RunWriteError as write_err:
-        log.error(f"{write_err} (recording how the run ended: {err})")
-
+# ---------------------------------------------------------------- command line
 
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(prog=prog_name("blunb-train", "blunb.train"),
@@ -1144,6 +898,7 @@ def main(argv=None) -> None:
         elif isinstance(err, TrainingError) and not err.everywhere:
             print(f"error: [rank {rank}] {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+
 
 
 if __name__ == "__main__":

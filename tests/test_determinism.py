@@ -18,9 +18,11 @@ import triton.language as tl
 import blunb.train as train_mod
 from blunb import kernels
 from blunb.config import ConfigError, apply_overrides, preset
+from blunb.determinism import Determinism
 from blunb.kernels.fused import _common
 from blunb.kernels.fused import flash_attention as fa
 from blunb.kernels.fused import syrk as fused_syrk
+from blunb.report import determinism_lines
 from blunb.runs import TIMING_COLUMNS, read_status
 from tests.distributed import REPO
 
@@ -109,14 +111,14 @@ def test_the_settings_are_put_back_when_the_run_fails(tmp_path):
 @pytest.mark.parametrize("given, kept", [(":16:8", True), (":4096:8", True), (":4096:2:16:8", False)])
 def test_a_cublas_setting_is_kept_only_if_reproducible(given, kept, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", given)
-    knobs = train_mod._Determinism(_tiny("deterministic=true"))
+    knobs = Determinism(_tiny("deterministic=true"))
     knobs.apply()
     try:
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == (given if kept else ":4096:8")
         assert bool(knobs.notes) is (not kept)
         if not kept:
             assert given in knobs.notes[0] and "replaced by :4096:8" in knobs.notes[0]
-            assert any(line.startswith("  WARNING: ") for line in train_mod._determinism_lines(knobs.facts()))
+            assert any(line.startswith("  WARNING: ") for line in determinism_lines(knobs.facts()))
     finally:
         knobs.restore()
     assert not torch.are_deterministic_algorithms_enabled()
@@ -126,11 +128,11 @@ def test_compile_under_deterministic_sets_inductor_deterministic_and_puts_it_bac
     import torch._inductor.config as inductor_config
 
     before = inductor_config.deterministic
-    knobs = train_mod._Determinism(_tiny("deterministic=true", "compile=true"))
+    knobs = Determinism(_tiny("deterministic=true", "compile=true"))
     knobs.apply()
     try:
         assert inductor_config.deterministic is True and knobs.facts()["inductor_deterministic"] is True
-        assert "Inductor deterministic" in train_mod._determinism_lines(knobs.facts())[0]
+        assert "Inductor deterministic" in determinism_lines(knobs.facts())[0]
     finally:
         knobs.restore()
     assert inductor_config.deterministic is before

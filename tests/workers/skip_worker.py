@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from blunb.config import apply_overrides, preset
+from blunb.faults import poison_next_forward
 from blunb.model import BLU
 from blunb.optim.build import DDPAdamW, build_optimizers
 from blunb.optim.interface import StepRecord
 from blunb.optim.zero_adamw import ShardedAdamW
-from blunb.train import _poison_next_forward
 
 POISON_STEP, STEPS, ACCUM = 2, 4, 2
 
@@ -85,7 +85,7 @@ def run_case(name, overrides, rank, world, nan_policy="step"):
         opt.set_lr(step)
         for micro in range(ACCUM):
             if micro == 0 and step == POISON_STEP and rank == world - 1:
-                _poison_next_forward(model)
+                poison_next_forward(model)
             x, y = batch(step, rank, micro, cfg.model.vocab_size)
             with opt.micro_step(last=micro == ACCUM - 1):
                 _, loss = opt.forward_model(x, y)
