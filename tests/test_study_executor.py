@@ -3,6 +3,7 @@ a real subprocess job per run: the same results as the local pool, caching and r
 cancellation on interrupt, and bad executor values refused before any work."""
 
 import json
+import signal
 import sys
 
 import pandas as pd
@@ -103,6 +104,16 @@ def test_a_failing_job_is_reported_with_the_runs_own_root_cause(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_interrupted_study_cancels_its_jobs_and_their_runs_stop(tmp_path, monkeypatch):
+    # LocalExecutor cancels by SIGINT, which its job ignores when this process ignores it (a shell's background
+    # job has SIGINT set to SIG_IGN, inherited across exec): a Python handler here gives the job the default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_and_check(tmp_path, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_and_check(tmp_path, monkeypatch):
     ex = _executor(tmp_path / "jobs")
     calls = _spy(monkeypatch, ex)
     run_dir = tmp_path / "stop" / "a-s0"
