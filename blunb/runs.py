@@ -287,6 +287,9 @@ class FolderInUse(ConfigError):
 # can be seconds after its parent was reaped: re-issuing the command at once (the --resume auto recipe)
 # waits up to this long for such a holder. A live holder is refused at once.
 LOCK_GRACE_S = 30.0
+# A new holder writes its record just after it takes the lock: on a loaded machine a second process can look
+# in between, find no record, and would name nobody; it waits this long for the record to appear.
+LOCK_RECORD_WAIT_S = 10.0
 
 
 def _holder_going_away(holder: dict) -> bool:
@@ -314,13 +317,18 @@ def _holder_going_away(holder: dict) -> bool:
 def _take_flock(fd: int) -> bool:
     """Lock fd; a holder that is going away gets LOCK_GRACE_S to let go. False: a live holder has it."""
     deadline = None
+    record_deadline = time.monotonic() + LOCK_RECORD_WAIT_S
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             now = time.monotonic()
-            if not _holder_going_away(_lock_record(fd)) or (deadline is not None and now >= deadline):
+            holder = _lock_record(fd)
+            if not holder.get("pid") and now < record_deadline:  # the holder is still writing its record
+                time.sleep(0.02)
+                continue
+            if not _holder_going_away(holder) or (deadline is not None and now >= deadline):
                 return False
             deadline = deadline or now + LOCK_GRACE_S
             time.sleep(0.1)

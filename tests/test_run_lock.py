@@ -1,17 +1,20 @@
 """One owner per run folder (issue 28, cases 5 and 6): FolderLock, the trainer's hold on its run
 folder and a study's on its folder."""
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pandas as pd
 import pytest
 
+import blunb.runs
 import blunb.study
 from blunb.launch import torchrun_command
 from blunb.runs import LOCK_NAME, FolderInUse, FolderLock, process_alive, read_status
@@ -81,6 +84,29 @@ def test_a_dead_holders_lock_is_taken_over_and_named(tmp_path):
         assert f"took over the stale lock of {folder}: its holder is gone (pid {dead.pid} on" in lock.stale_note()
     finally:
         lock.release()
+
+
+def test_a_holder_still_writing_its_record_is_named_once_it_is_written(tmp_path, monkeypatch):
+    """Between a holder's flock and its record a second process finds the lock file empty: it waits for the
+    record (a bounded wait) rather than naming nobody, which is how two runs started at once once lost
+    the holder's name on a loaded machine."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # its own open file: FolderLock's flock in this process conflicts with it
+    record = {"pid": 4242, "host": "elsewhere", "started": "2026-12-02T00:00:00+00:00", "argv": ["train.py"]}
+    writer = threading.Timer(0.5, lambda: os.pwrite(fd, json.dumps(record).encode(), 0))
+    writer.start()
+    try:
+        with pytest.raises(FolderInUse, match=r"another run holds its lock \(pid 4242 on elsewhere, started .*train.py"):
+            FolderLock(folder).acquire()
+        os.ftruncate(fd, 0)  # a holder that never writes one is still refused, once the wait is over
+        monkeypatch.setattr(blunb.runs, "LOCK_RECORD_WAIT_S", 0.3)
+        with pytest.raises(FolderInUse, match=r"another run holds its lock \(no record of its holder\)"):
+            FolderLock(folder).acquire()
+    finally:
+        writer.join()
+        os.close(fd)
 
 
 def _train(run_dir, *extra) -> subprocess.Popen:
