@@ -33,10 +33,12 @@ from blunb.runs import environment
 
 log = logging.getLogger("speed")
 
-# blunb eager, compiled (with the fused kernels, with none, with Inductor's SwiGLU and QK-norm + RoPE),
-# compiled with the chunked lm_head + loss (with torch._fused_adamw_ in place of the fused shard update)
+# blunb with no flags (on CUDA: compiled with the chunked loss, config.AUTO_SWITCHES), eager, compiled (with
+# the fused kernels, with none, with Inductor's SwiGLU and QK-norm + RoPE), compiled with the chunked lm_head
+# + loss (with torch._fused_adamw_ in place of the fused shard update)
 DEFAULT_BLUNB = {
     "adamw": "optimizer=adamw",
+    "adamw-eager": "optimizer=adamw,compile=false,model.chunked_ce=false",
     "adamw-compile": "optimizer=adamw,compile=true",
     "adamw-compile-torchkernels": "optimizer=adamw,compile=true,kernels=torch",
     "adamw-compile-inductor-elementwise": "optimizer=adamw,compile=true,kernels=swiglu=torch,qk_norm_rope=torch",

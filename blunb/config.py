@@ -62,8 +62,36 @@ DATA_ORDERS = ("windows", "shards")
 # The fields seed stands in for when they are None.
 OPTIONAL_SEEDS = ("data_seed", "init_seed")
 # What a config.json without a field was run with, where that is not today's default: such a run
-# must not pass for one of today's (TrainConfig.from_dict, the study cache).
-PREDATED = {"data_order": "shards"}
+# must not pass for one of today's (TrainConfig.from_dict, the study cache). "model" holds ModelConfig's.
+PREDATED = {"data_order": "shards", "compile": False, "model": {"chunked_ce": False}}
+
+
+def _merged(under: dict, over: dict) -> dict:
+    return {**under, **over, "model": {**under.get("model", {}), **over.get("model", {})}}
+
+
+def _with_predated(d: dict) -> dict:
+    """A config.json's dict with the PREDATED fields it lacks filled in (what such a run ran with)."""
+    return _merged(PREDATED, d)
+
+
+def predated_defaults() -> dict:
+    """What a config.json that lacks a field ran with: today's defaults, with PREDATED's values over them."""
+    return _merged(json.loads(TrainConfig().to_json()), PREDATED)
+# Settings whose default, "auto", the device decides (TrainConfig.resolve_auto): on CUDA both are on, the
+# fastest setting measured on the H200 (compile with the chunked loss: 1.026x plain torch.compile's tok/s at
+# 124m, 1.031x at 1b, results/bench/); on the CPU both are off (the eager path: compiling is not timed there).
+AUTO_SWITCHES = ("compile", "model.chunked_ce")
+
+
+def auto_switch(value, device_type: str) -> bool:
+    """A compile / model.chunked_ce value, "auto" decided for `device_type` ("cuda" | "cpu")."""
+    return device_type == "cuda" if value == "auto" else bool(value)
+
+
+def _check_switch(name: str, value) -> None:
+    if not isinstance(value, bool) and value != "auto":
+        raise ConfigError(f"{name} must be true, false or auto, got {value!r}")
 
 
 @dataclass
@@ -90,8 +118,8 @@ class ModelConfig:
     linear_dtype: str = "auto"
     # lm_head + loss in token chunks (kernels/linear_cross_entropy.py): the [B*T, V] logits and their
     # gradient are never materialized, and forward(idx, targets) returns (None, loss). Same math and
-    # dtypes as the plain path; forward(idx) without targets still returns the logits.
-    chunked_ce: bool = False
+    # dtypes as the plain path; forward(idx) without targets still returns the logits. "auto": on CUDA.
+    chunked_ce: bool | str = "auto"
 
     def validate(self) -> None:
         _check_finite(self, "model.")
@@ -108,8 +136,7 @@ class ModelConfig:
             raise ConfigError(f"model.linear_dtype must be auto, bf16 or fp32, got {self.linear_dtype!r}")
         if self.rms_eps <= 0 or self.qk_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("model.rms_eps, model.qk_eps and model.rope_theta must be positive")
-        if not isinstance(self.chunked_ce, bool):
-            raise ConfigError(f"model.chunked_ce must be true or false, got {self.chunked_ce!r}")
+        _check_switch("model.chunked_ce", self.chunked_ce)
 
     def num_params(self) -> int:
         """Exact parameter count of BLU(self) (tests hold the model to it)."""
@@ -176,7 +203,7 @@ class TrainConfig:
     data: str = "default"           # "default" (embedded corpus) or a folder of .bin shards
     device: str = "auto"            # "auto" | "cpu" | "cuda"
     kernels: str = "auto"           # "auto" | "torch" | "triton" | per op, e.g. "swiglu=torch,qk_norm_rope=torch"
-    compile: bool = False           # torch.compile the model (forward + backward); the optimizers stay eager
+    compile: bool | str = "auto"    # torch.compile the model's forward + backward (optimizers stay eager); auto: CUDA
     # Bit-reproducible GPU runs: torch's deterministic algorithms (an op without one fails naming itself),
     # CUBLAS_WORKSPACE_CONFIG, cuDNN deterministic, fixed Triton kernel configs and no timed backend choice
     # (blunb.train applies and records the knobs; docs/architecture.md). Costs some speed.
@@ -230,8 +257,7 @@ class TrainConfig:
             parse_backends(self.kernels)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile must be true or false, got {self.compile!r}")
+        _check_switch("compile", self.compile)
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic must be true or false, got {self.deterministic!r}")
         _check_lr_pair("max_lr", self.max_lr, "min_lr", self.min_lr)
@@ -291,6 +317,17 @@ class TrainConfig:
         """The seed of the train data order: data_seed, or seed when it is None."""
         return self.seed if self.data_seed is None else self.data_seed
 
+    def resolve_auto(self, device_type: str) -> dict[str, bool]:
+        """Decide, in place, each AUTO_SWITCHES setting left at "auto" for `device_type`, so config.json
+        records what ran; returns those it decided, by name."""
+        decided = {}
+        for name in AUTO_SWITCHES:
+            owner, attr = (self.model, name[len("model."):]) if name.startswith("model.") else (self, name)
+            if getattr(owner, attr) == "auto":
+                decided[name] = auto_switch("auto", device_type)
+                setattr(owner, attr, decided[name])
+        return decided
+
     def resolved_init_seed(self) -> int:
         """The seed of the model's init: init_seed, or seed when it is None."""
         return self.seed if self.init_seed is None else self.init_seed
@@ -315,7 +352,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        d = {**PREDATED, **d}
+        d = _with_predated(d)
         model = ModelConfig(**d.pop("model"))
         return cls(model=model, **d)
 
@@ -438,6 +475,10 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         try:
             if target is cfg and name in OPTIONAL_SEEDS:  # None by default: the type is not in the value
                 value = None if raw.lower() == "none" else _parse_value(raw, 0)
+            elif (name if target is cfg else f"model.{name}") in AUTO_SWITCHES:  # a bool, or "auto"
+                if raw.lower() not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ConfigError(f"expected true, false or auto, got {raw!r}")
+                value = "auto" if raw.lower() == "auto" else _parse_value(raw, False)
             else:
                 value = _parse_value(raw, getattr(target, name))
             setattr(target, name, value)

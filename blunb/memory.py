@@ -18,7 +18,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from blunb.config import ConfigError, TrainConfig
+from blunb.config import ConfigError, TrainConfig, auto_switch
 
 GIB = 1 << 30
 WARN_FRACTION = 0.8        # a CUDA estimate above this share of the free memory gets a warning line
@@ -66,7 +66,8 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str) -> MemoryEstim
     activations = m.n_layers * tokens * per_token_layer * act_bytes
     if not on_cuda:  # the CPU's attention keeps its [T, T] scores and probabilities per head for backward
         activations += m.n_layers * cfg.B * m.q_heads * cfg.T * cfg.T * 4 * 2
-    logits = 0.0 if m.chunked_ce else 3.0 * tokens * m.vocab_size * 4   # fp32 logits, softmax, gradient
+    chunked = auto_switch(m.chunked_ce, device_type)
+    logits = 0.0 if chunked else 3.0 * tokens * m.vocab_size * 4   # fp32 logits, softmax, gradient
     # The flattened gradient and the reduce's copy of it (measured on the CPU: ~8 B per parameter above the
     # weights, gradients and moments at 124m).
     buffers = 2.0 * weight_bytes * P

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from blunb import kernels
-from blunb.config import BF16_STAGES, ModelConfig
+from blunb.config import BF16_STAGES, ModelConfig, auto_switch
 from blunb.kernels import linear_cross_entropy
 
 
@@ -130,6 +130,7 @@ class BLU(nn.Module):
         self.cfg = cfg
         device = torch.device(device) if device is not None else torch.device("cpu")
         linear_dtype = self.linear_dtype = _linear_dtype(cfg, device)
+        self.chunked_ce = auto_switch(cfg.chunked_ce, device.type)
         self.resid_dtype = torch.bfloat16 if cfg.bf16_resid else torch.float32
         self.logit_dtype = torch.bfloat16 if cfg.bf16_logits else torch.float32
         embed_dtype = torch.bfloat16 if cfg.bf16_embed else torch.float32
@@ -177,7 +178,7 @@ class BLU(nn.Module):
         stages = [name.removeprefix("bf16_") for name in BF16_STAGES if getattr(self.cfg, name)]
         return {"linear_weights": label[self.linear_dtype], "output_projection": label[self.linear_dtype],
                 "residual_stream_and_norms": label[self.resid_dtype], "embedding": label[self.wte.weight.dtype],
-                "logits": label[self.logit_dtype] + (" (chunked, never materialized)" if self.cfg.chunked_ce else ""),
+                "logits": label[self.logit_dtype] + (" (chunked, never materialized)" if self.chunked_ce else ""),
                 "qk_norm_rope": "fp32 (always)", "loss": "fp32",
                 "bf16_stages": "all three (all_bf16)" if len(stages) == len(BF16_STAGES) else
                 ", ".join(stages) or "none"}
@@ -196,7 +197,7 @@ class BLU(nn.Module):
         x = self.norm_f(x).to(self.linear_dtype)
         # the output GEMM runs in the Linears' dtype, tied (a cast of the embedding) or not, as the seed's
         weight = self.wte.weight.to(self.linear_dtype) if self.lm_head is None else self.lm_head.weight
-        if targets is not None and self.cfg.chunked_ce:
+        if targets is not None and self.chunked_ce:
             return None, linear_cross_entropy(x.reshape(B * T, -1), weight, targets.reshape(B * T),
                                               logit_dtype=self.logit_dtype)
         logits = _gemm(x, weight).to(self.logit_dtype)

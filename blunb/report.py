@@ -77,6 +77,8 @@ def start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]
             lines.append(f"  WARNING: no refresh stage covers {', '.join(facts['refresh_uncovered'])}: installed "
                          "with stage 0, not overlapped")
     lines.append("kernels: " + " ".join(f"{op}={b}" for op, b in facts["kernels"].items()))
+    if facts.get("auto_settings"):
+        lines.append(auto_settings_line(facts["auto_settings"], run.device.type))
     lines += determinism_lines(facts["determinism"])
     lines.append(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
                  f"validation: {run.val_set.n_seq * cfg.T:,} tokens split over {run.world_size} rank(s)")
@@ -97,6 +99,14 @@ def start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]
                      f"fault_stall={cfg.fault_stall!r}")
     lines.append(run.meter.banner(run.model.num_params(), run.tokens_per_step))
     return lines
+
+
+def auto_settings_line(decided: dict[str, bool], device_type: str) -> str:
+    """The start line naming what the "auto" settings became on this device, and why (config.AUTO_SWITCHES)."""
+    picked = " ".join(f"{name}={str(on).lower()}" for name, on in decided.items())
+    why = ("the fastest setting measured on CUDA (results/bench/)" if device_type == "cuda"
+           else "the eager path: compiling is not timed on the CPU")
+    return f"auto settings on {device_type}: {picked} ({why}; set them to override)"
 
 
 def determinism_lines(d: dict) -> list[str]:

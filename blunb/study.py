@@ -37,7 +37,7 @@ from typing import Any
 import pandas as pd
 
 from blunb.cli import prog_name
-from blunb.config import ConfigError
+from blunb.config import AUTO_SWITCHES, ConfigError, predated_defaults
 from blunb.launch import check_train_args, parse_failure, torchrun_command
 from blunb.runs import (
     FolderLock,
@@ -489,24 +489,29 @@ def _checked_overrides(what: str, overrides) -> list[str]:
     return list(overrides)
 
 
-def _default_config() -> dict:
-    """What a config.json that predates a field was run with: today's defaults, except where a new field's
-    default changed the behaviour (config.PREDATED: a run without data_order read the legacy shard order)."""
-    from blunb.config import PREDATED, TrainConfig
-
-    return {**json.loads(TrainConfig().to_json()), **PREDATED}
-
-
 def _with_new_fields(stored: dict, default: dict) -> dict:
-    """`stored` with the config fields it predates added at `default` (_default_config): a field added to
-    blunb after a run was made, left at its default, does not make the run's config differ (nor its result
-    stale); one whose default changes what a run does (data_order) fills in what the old run did."""
+    """`stored` with the config fields it predates added at `default` (config.predated_defaults): a field
+    added to blunb after a run was made, left at its default, does not make the run's config differ (nor
+    its result stale); one whose default changes what a run does (data_order) fills in what the old run did."""
     out = dict(stored)
     for key, value in default.items():
         if key not in out:
             out[key] = value
         elif isinstance(value, dict) and isinstance(out[key], dict):
             out[key] = _with_new_fields(out[key], value)
+    return out
+
+
+def _as_planned_auto(stored: dict, planned: dict) -> dict:
+    """`stored` with each config.AUTO_SWITCHES setting that the plan leaves at "auto" read as "auto": the
+    run's device decided it (config.json records what it became), and on or off the run computes the same
+    math; an explicit value in the plan must match."""
+    out = {**stored, "model": dict(stored.get("model", {}))}
+    for name in AUTO_SWITCHES:
+        *parent, key = name.split(".")
+        plan_part, out_part = (planned.get("model", {}), out["model"]) if parent else (planned, out)
+        if plan_part.get(key) == "auto" and key in out_part:
+            out_part[key] = "auto"
     return out
 
 
@@ -517,7 +522,8 @@ def _cache_action(plan: _Planned, nproc: int) -> str:
         world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
     except (OSError, ValueError):
         return "new"  # nothing usable there (passed --overwrite anyway, for any leftovers)
-    if _with_new_fields(stored, _default_config()) != plan.config or world_size != nproc:
+    stored = _as_planned_auto(_with_new_fields(stored, predated_defaults()), plan.config)
+    if stored != plan.config or world_size != nproc:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
     return "cached" if status.get("state") == "completed" else "resume"

@@ -109,6 +109,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
     run_dir = Path(run_dir)
     rank, world_size, local_rank = _dist_env()
     device = _preflight(cfg, run_dir, overwrite or resume is not None, world_size, local_rank)
+    auto_settings = cfg.resolve_auto(device.type)  # before anything reads them (Determinism reads compile)
     determinism = Determinism(cfg)
     determinism.apply()  # before CUDA is initialized (CUBLAS_WORKSPACE_CONFIG); put back in the finally below
     try:
@@ -125,7 +126,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
         if stale:
             log.warning(stale)
         run = setup(cfg, run_dir, rank, world_size, device, run_log, None if resume is None else str(resume),
-                    determinism)
+                    determinism, auto_settings)
         _loop(run)
         _finish_run(run)
         return run_dir
@@ -245,9 +246,12 @@ class _Run:
 
 
 def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
-          run_log: RunLog, resume: str | None = None, determinism: Determinism | None = None) -> _Run:
+          run_log: RunLog, resume: str | None = None, determinism: Determinism | None = None,
+          auto_settings: dict | None = None) -> _Run:
     """Data and checkpoint (checked before anything else), model, optimizers, the resumed state,
-    then the run folder and its records (determinism: the settings train() applied, recorded)."""
+    then the run folder and its records (determinism: the settings train() applied, recorded;
+    auto_settings: the "auto" settings train() decided for the device, recorded and logged)."""
+    auto_settings = {**(auto_settings or {}), **cfg.resolve_auto(device.type)}
     memory_line = _rank0_decides(lambda: memory.check(cfg, world_size, device), rank, world_size)
     data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
     resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
@@ -280,6 +284,7 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
                            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     facts = run_facts(cfg, model, opt, device)
     facts["determinism"] = (determinism or Determinism(cfg)).facts()
+    facts["auto_settings"] = auto_settings
     facts["data"] = {**train_loader.describe(), "data_seed": cfg.resolved_data_seed(), "init_seed": init_seed}
     clip = facts["optimizer"]["clip"]
     run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,

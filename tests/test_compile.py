@@ -185,8 +185,8 @@ def test_training_with_compile_completes_and_matches_eager(tmp_path, monkeypatch
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=0)
 
 
-def test_compile_must_be_a_bool():
-    with pytest.raises(ConfigError, match="compile must be true or false"):
+def test_compile_must_be_a_bool_or_auto():
+    with pytest.raises(ConfigError, match="compile must be true, false or auto"):
         cfg = _tiny_train_config()
         cfg.compile = "yes"
         cfg.validate()

@@ -237,10 +237,27 @@ def test_bad_peak_tflops_env_is_a_config_error_when_the_meter_is_built(monkeypat
         MFUMeter.build(preset("tiny").model, seq_len=128, device_name="cpu")
 
 
-def test_chunked_ce_is_an_off_by_default_model_switch():
-    assert ModelConfig().chunked_ce is False
-    cfg = apply_overrides(preset("tiny"), ["chunked_ce=true"])
-    assert cfg.model.chunked_ce is True
+def test_compile_and_the_chunked_loss_default_to_auto_which_the_device_decides():
+    """Both on on CUDA (the fastest measured setting), off on the CPU; an explicit value stays as given,
+    and resolve_auto (the trainer's, before anything reads them) says what it decided."""
+    assert ModelConfig().chunked_ce == "auto" and preset("124m").compile == "auto"
+    cfg = apply_overrides(preset("tiny"), ["chunked_ce=true", "compile=auto"])
+    assert cfg.model.chunked_ce is True and cfg.compile == "auto"
+    assert cfg.resolve_auto("cuda") == {"compile": True} and cfg.compile is True and cfg.model.chunked_ce is True
+    cpu = preset("tiny")
+    assert cpu.resolve_auto("cpu") == {"compile": False, "model.chunked_ce": False}
+    assert json.loads(cpu.to_json())["compile"] is False and cpu.resolve_auto("cpu") == {}
+    cuda = preset("tiny")
+    assert cuda.resolve_auto("cuda") == {"compile": True, "model.chunked_ce": True}
+    with pytest.raises(ConfigError, match=r"override 'model.chunked_ce=maybe': expected true, false or auto"):
+        apply_overrides(preset("tiny"), ["model.chunked_ce=maybe"])
     cfg.model.chunked_ce = "yes"
-    with pytest.raises(ConfigError, match="model.chunked_ce must be true or false"):
+    with pytest.raises(ConfigError, match="model.chunked_ce must be true, false or auto"):
         cfg.validate()
+
+
+def test_a_config_json_from_before_compile_and_the_chunked_loss_reads_as_run_without_them():
+    old = json.loads(preset("tiny").to_json())
+    del old["compile"], old["model"]["chunked_ce"]
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.compile is False and cfg.model.chunked_ce is False

@@ -98,7 +98,7 @@ def test_a_holder_still_writing_its_record_is_named_once_it_is_written(tmp_path,
     writer = threading.Timer(0.5, lambda: os.pwrite(fd, json.dumps(record).encode(), 0))
     writer.start()
     try:
-        with pytest.raises(FolderInUse, match=r"another run holds its lock \(pid 4242 on elsewhere, started .*train.py"):
+        with pytest.raises(FolderInUse, match=r"holds its lock \(pid 4242 on elsewhere, started .*train.py"):
             FolderLock(folder).acquire()
         os.ftruncate(fd, 0)  # a holder that never writes one is still refused, once the wait is over
         monkeypatch.setattr(blunb.runs, "LOCK_RECORD_WAIT_S", 0.3)

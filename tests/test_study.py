@@ -109,6 +109,29 @@ def test_a_config_field_added_after_the_run_keeps_it_cached_at_its_default(tmp_p
     assert Study("s", {"a": ["model.rope_interleaved=true"]}, seeds=[0], steps=4,
                  root=tmp_path)._plan()[0].action == "overwrite"
 
+def test_a_run_whose_device_decided_the_auto_settings_stays_cached_under_auto(tmp_path):
+    """config.json records what "auto" became on the run's device (a GPU run: compile and the chunked loss
+    on); a plan that leaves them at auto takes it, one that names a value must match it, and a run from
+    before the two fields (which ran without them) matches an explicit false."""
+    study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)
+    (plan,) = study._plan()
+    assert plan.config["compile"] == "auto" and plan.config["model"]["chunked_ce"] == "auto"
+    gpu_run = json.loads(json.dumps(plan.config))
+    gpu_run["compile"] = gpu_run["model"]["chunked_ce"] = True
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(gpu_run))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+    write_status(plan.run_dir, "completed", 4, 4)
+    assert study._plan()[0].action == "cached"
+    assert Study("s", {"a": ["compile=true"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "cached"
+    assert Study("s", {"a": ["compile=false"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
+    del gpu_run["compile"], gpu_run["model"]["chunked_ce"]
+    (plan.run_dir / "config.json").write_text(json.dumps(gpu_run))
+    explicit_off = ["compile=false", "model.chunked_ce=false"]
+    assert Study("s", {"a": explicit_off}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "cached"
+    assert Study("s", {"a": ["compile=true"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
+
+
 def test_arm_seeds_replace_the_study_seeds_for_their_arms(tmp_path):
     study = Study("s", {"ab": [], "side": ["max_lr=1e-3"]}, seeds=[0], arm_seeds={"ab": [3, 4, 5]}, steps=4,
                   root=tmp_path)

@@ -61,6 +61,11 @@ def test_two_rank_tiny_run_learns_and_writes_a_complete_run_folder(tmp_path):
     facts = run.env["training"]
     assert facts["precision"]["qk_norm_rope"] == "fp32 (always)" and facts["optimizer"]["groups"][0]["name"] == \
         "adamw_fp32"
+    # compile and the chunked loss at "auto": the CPU decided both off, config.json records what ran
+    assert facts["auto_settings"] == {"compile": False, "model.chunked_ce": False}
+    assert run.config["compile"] is False and run.config["model"]["chunked_ce"] is False
+    assert "auto settings on cpu: compile=false model.chunked_ce=false (the eager path" in \
+        (run_dir / "log.txt").read_text()
 
 
 def test_single_process_matches_two_and_four_ranks_at_step_zero(tmp_path):

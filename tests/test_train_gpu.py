@@ -1,5 +1,6 @@
-"""GPU: the trainer's steady-state step issues no host-device sync (steps 3..10), for every
-optimizer set and overlap switch; the one read of each step's scalars goes through an event."""
+"""GPU: what the trainer's defaults pick on CUDA; its steady-state step issues no host-device sync
+(steps 3..10), for every optimizer set and overlap switch; the one read of each step's scalars goes
+through an event."""
 
 from __future__ import annotations
 
@@ -17,6 +18,28 @@ CASES = {
     "muon-overlaps": ["optimizer=muon", "overlap_backward=true", "overlap_refresh=true"],
     "ddp_adamw": ["optimizer=ddp_adamw"],
 }
+
+
+def test_the_defaults_pick_the_compiled_path_with_the_chunked_loss_on_cuda(tmp_path, monkeypatch):
+    """No flags: on CUDA the trainer runs its fastest measured setting, compile and the chunked loss, and
+    says so in its start lines; config.json records what ran."""
+    import json
+
+    from blunb.config import apply_overrides, preset
+    from blunb.train import train
+
+    monkeypatch.setenv("BLUNB_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = apply_overrides(preset("tiny"), ["device=cuda"])
+    cfg.rescale_schedule(6)
+    run_dir = train(cfg, tmp_path / "run")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["compile"] is True and config["model"]["chunked_ce"] is True
+    facts = json.loads((run_dir / "env.json").read_text())["training"]
+    assert facts["auto_settings"] == {"compile": True, "model.chunked_ce": True}
+    assert "(chunked, never materialized)" in facts["precision"]["logits"]
+    assert "auto settings on cuda: compile=true model.chunked_ce=true (the fastest setting measured on CUDA" in \
+        (run_dir / "log.txt").read_text()
+    assert pd.read_csv(run_dir / "metrics.csv")["train_loss"].notna().all()
 
 
 @pytest.mark.parametrize("case", list(CASES))
