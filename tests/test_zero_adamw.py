@@ -106,6 +106,8 @@ def test_single_process_without_process_group_matches_adamw():
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
         assert all(p.grad is not None and not p.grad.any() for p in params)
+    # one rank, fp32: the update steps the weights themselves, no master copy beside them
+    assert opt._master is opt._flat_param and opt.state_bytes() == 8 * opt.shard_numel
 
 
 def test_parameters_without_grad_are_not_stepped_like_torch():

@@ -175,10 +175,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         # A reduce dtype other than the parameters' needs its own flat reduce buffer.
         self._flat_red = (self._flat_grad if self.red_dtype == self.dtype
                           else torch.zeros(N, dtype=self.red_dtype, device=dev))
-        # fp32 master + moments: the only copies of the optimizer state, shard-sized.
-        self._master = torch.empty(S, dtype=torch.float32, device=dev)
-        for b in range(nb):
-            self._shard_chunk(self._master, b).copy_(self._chunk_view(self._flat_param, b, self.rank))
+        # fp32 master + moments: the only copies of the optimizer state, shard-sized. On one rank an fp32
+        # group's shard is its whole flat parameter buffer, which then is its master: no copy of it (the
+        # fp32 embedding at 1b: 0.4 GB), and the update writes the weights as it writes the master.
+        self._master_is_param = self.world == 1 and self.dtype == torch.float32
+        if self._master_is_param:
+            self._master = self._flat_param
+        else:
+            self._master = torch.empty(S, dtype=torch.float32, device=dev)
+            for b in range(nb):
+                self._shard_chunk(self._master, b).copy_(self._chunk_view(self._flat_param, b, self.rank))
         self._exp_avg = torch.zeros(S, dtype=torch.float32, device=dev)
         self._exp_avg_sq = torch.zeros(S, dtype=torch.float32, device=dev)
         # torch._fused_adamw_ wants fp32 gradients: a non-fp32 reduce stages one bucket's chunk at
@@ -387,7 +393,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _publish(self, copied: bool = False) -> None:
         """copied: the fused update has written the owned chunks already."""
-        if not copied:
+        if not copied and not self._master_is_param:
             torch._foreach_copy_(self._param_chunks, self._master_chunks)
         if self.world == 1:
             return
@@ -439,10 +445,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         return int(self._skipped)
 
     def state_bytes(self) -> int:
-        """Optimizer bytes held on this rank: 12 B x shard (fp32 master, exp_avg, exp_avg_sq)
-        + 4 B x the largest bucket chunk of fp32 gradient staging when the reduce dtype is not fp32
-        + a flat reduce buffer (padded x reduce element size) when it differs from the param dtype."""
-        return 12 * self.shard_numel + self._extra_bytes(self.red_dtype)
+        """Optimizer bytes held on this rank: 12 B x shard (fp32 master, exp_avg, exp_avg_sq; 8 B where the
+        master is the parameters themselves: one rank, fp32) + 4 B x the largest bucket chunk of fp32
+        gradient staging when the reduce dtype is not fp32 + a flat reduce buffer (padded x reduce element
+        size) when it differs from the param dtype."""
+        return (8 if self._master_is_param else 12) * self.shard_numel + self._extra_bytes(self.red_dtype)
 
     def replica_checksum(self) -> torch.Tensor:
         """blunb.diag's bit-level hash of this group's parameters (equal on all ranks iff the
@@ -520,7 +527,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._installed < len(self._pending_publish):
             raise RuntimeError("a staged parameter refresh is still in flight: call drain_refresh() before "
                                "changing the weights, then resync_masters_from_params()")
-        torch._foreach_copy_(self._master_chunks, self._param_chunks)
+        if not self._master_is_param:  # else the weights are the master
+            torch._foreach_copy_(self._master_chunks, self._param_chunks)
 
 
 def build_sharded_adamw(model: nn.Module, params: list | None = None, *, stages=None, **kw) -> list[ShardedAdamW]:

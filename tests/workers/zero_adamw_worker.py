@@ -263,10 +263,13 @@ def run_state_bytes(W):
     for o in (bf, f32):
         assert o.padded_numel % W == 0 and o.shard_numel * W == o.padded_numel
         assert 0 <= o.padded_numel - o.numel < W * len(o._buckets)
-    held = lambda o: sum(t.nbytes for t in (o._master, o._exp_avg, o._exp_avg_sq)) + \
+    held = lambda o: sum(t.nbytes for t in (o._master, o._exp_avg, o._exp_avg_sq) if t is not o._flat_param) + \
         (o._grad_stage.nbytes if o._grad_stage is not None else 0) + \
         (o._flat_red.nbytes if o._flat_red is not o._flat_grad else 0)
-    assert f32.state_bytes() == 12 * f32.padded_numel // W == held(f32)
+    # one rank's fp32 group: its weights are its master (8 B per element of moments only); else 12 B
+    assert (f32._master is f32._flat_param) == (W == 1) and bf._master is not bf._flat_param
+    f32_state = 8 if W == 1 else 12
+    assert f32.state_bytes() == f32_state * f32.padded_numel // W == held(f32)
     # fp32 grad staging for torch's update: one bucket chunk, reused; the fused update stages nothing
     stage = 0 if bf._fused else 4 * max(bf._bucket_chunk)
     assert stage <= 4 * bf.shard_numel
@@ -274,11 +277,11 @@ def run_state_bytes(W):
     model = Toy(torch.bfloat16)
     bf, f32 = build_sharded_adamw(model, lr=LR, bucket_mb=TINY_BUCKETS, reduce_dtype="fp32")
     assert bf.state_bytes() == 12 * bf.shard_numel + 4 * bf.padded_numel == held(bf)
-    assert f32.state_bytes() == 12 * f32.shard_numel == held(f32)
+    assert f32.state_bytes() == f32_state * f32.shard_numel == held(f32)
     model = Toy()
     (f32,) = build_sharded_adamw(model, lr=LR, bucket_mb=TINY_BUCKETS, reduce_dtype="bf16")
     stage = 0 if f32._fused else 4 * max(f32._bucket_chunk)
-    assert f32.state_bytes() == 12 * f32.shard_numel + stage + 2 * f32.padded_numel == held(f32)
+    assert f32.state_bytes() == f32_state * f32.shard_numel + stage + 2 * f32.padded_numel == held(f32)
 
 
 def main():
