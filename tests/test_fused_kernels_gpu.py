@@ -190,8 +190,18 @@ def test_adamw_update_bf16():
             assert torch.equal(out["param"][f0:f0 + n], out["master"][s0:s0 + n].bfloat16())
         outs[backend] = out
     got, want = outs["triton"], outs["torch"]
-    for name in ("exp_avg", "exp_avg_sq"):
-        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=0, msg=name)
+    # On the GPU the kernel's b * m + (1 - b) * g compiles to one fused multiply-add (one rounding where
+    # torch rounds the product and the sum): the moments then differ by ulps of the two terms, not of
+    # their sum, which cancellation brings near zero in m. 4 ulps (2^-21) of |term 1| + |term 2|.
+    g = torch.cat([state["grad"][f0:f0 + n].float() for _, f0, n, _, _ in segments]) / 2.0
+    touched = torch.cat([torch.arange(s0, s0 + n, device=DEV) for s0, _, n, _, _ in segments])
+    padding = torch.ones_like(state["master"], dtype=torch.bool)
+    padding[touched] = False
+    for name, beta, term in (("exp_avg", 0.9, g), ("exp_avg_sq", 0.95, g * g)):
+        terms = beta * state[name][touched].abs() + (1 - beta) * term.abs()
+        gap = (got[name][touched] - want[name][touched]).abs()
+        assert (gap <= 2**-21 * terms).all(), f"{name}: worst gap {(gap / terms).max().item():.3g} of the terms"
+        assert torch.equal(got[name][padding], state[name][padding]), f"{name}: padding written"
     p_old = state["master"]
     bound = 2**-21 * p_old.abs() + 1e-5 * (want["master"] - p_old).abs()
     assert ((got["master"] - want["master"]).abs() <= bound).all()
