@@ -9,7 +9,9 @@ re-runs at no cost; a failed run is reported with its root cause while the other
     study = Study("warmup", arms={"base": [], "long": ["warmup_steps=20"]}, seeds=[0, 1, 2], preset="tiny")
     summary = study.run()        # pandas, one row per run; also <study>/summary.csv
 
-CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` runs a study notebook headless.
+CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` runs a study notebook headless;
+with `--script` its code cells run in-process, without Jupyter or papermill (a GPU machine that has
+neither trains the runs; the notebook is rendered afterwards with render_only where Jupyter is).
 
 Details (an example, parallel runs, clusters, caching, publishing, failures, the CLI's parameter
 checks): docs/architecture.md, section "blunb/study.py".
@@ -88,6 +90,7 @@ class _Planned:
     args: list[str]       # blunb.train's arguments, without --resume / --overwrite
     config: dict          # the config.json this run gets
     action: str = "new"   # cached | new | resume | overwrite
+    seed_index: int = 0   # the seed's place in its arm's list: launches go by it (see _launch_all)
 
 
 @dataclass
@@ -236,7 +239,7 @@ class Study:
             if not isinstance(arm, str) or not _NAME.match(arm):
                 raise ValueError(f"arm name must be one folder name (letters, digits, . _ + = -), got {arm!r}")
             overrides = common + _checked_overrides(f"arm {arm!r}", overrides)
-            for seed in seeds_of.get(arm, seeds):
+            for seed_index, seed in enumerate(seeds_of.get(arm, seeds)):
                 name = f"{arm}-s{seed}"
                 run_dir = self.folder / name
                 args = ["--preset", self.preset, "--run-dir", str(run_dir)]
@@ -249,7 +252,7 @@ class Study:
                 except ConfigError as err:
                     raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
                 cfg, _ = parse_args(args)
-                plan = _Planned(arm, seed, name, run_dir, args, json.loads(cfg.to_json()))
+                plan = _Planned(arm, seed, name, run_dir, args, json.loads(cfg.to_json()), seed_index=seed_index)
                 plan.action = _cache_action(plan, self.nproc)
                 plans.append(plan)
         return plans
@@ -272,14 +275,16 @@ class Study:
 
     def _launch_all(self, todo: list[_Planned], total: int) -> dict[str, _Outcome]:
         """Run `todo`, as many at a time as the launcher has slots; every run's outcome. The loop is the
-        same for local processes and submitted jobs: only the launcher differs."""
+        same for local processes and submitted jobs: only the launcher differs. Runs start seed by seed
+        (every arm's first seed, then every arm's second, ...), so a study cut off part way leaves
+        whole pairs of its A/B arms rather than one arm's seeds without their partners."""
         if not todo:
             return {}
         launcher = _JobLauncher(self, self._executor) if self._executor is not None else _LocalLauncher(self)
         slots = launcher.slots(len(todo))
         log.info(f"{self.name}: {len(todo)} run(s) to train, {min(len(slots), len(todo))} at a time "
                  f"{launcher.where}, in {self.folder}")
-        pending, active, outcomes = list(todo), [], {}
+        pending, active, outcomes = sorted(todo, key=lambda p: p.seed_index), [], {}  # stable: arms keep order
         progress = _Progress(self.name, total, total - len(todo), self.progress)
         try:
             while pending or active:
@@ -846,6 +851,42 @@ def _literal(raw: str):
         return raw
 
 
+def check_script_syntax(notebook: str | Path) -> list[tuple[dict, str]]:
+    """`notebook`'s code cells as (cell, source); ValueError naming the first cell with IPython syntax
+    (a %magic or !shell line), which only Jupyter runs."""
+    path = Path(notebook)
+    cells = [c for c in json.loads(path.read_text()).get("cells", []) if c.get("cell_type") == "code"]
+    cells = [(c, "".join(c["source"]) if isinstance(c["source"], list) else c["source"]) for c in cells]
+    for index, (_, source) in enumerate(cells):
+        if any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()):
+            raise ValueError(f"{path.name}: code cell {index} uses IPython syntax (% or !), which runs only "
+                             f"under Jupyter: run the notebook through papermill instead")
+    return cells
+
+
+def run_as_script(notebook: str | Path, params: dict) -> None:
+    """Execute `notebook`'s code cells in this process, in order, with `params` assigned right after
+    its parameters cell (where papermill injects them): the study without Jupyter or papermill, for a
+    machine that has neither (the lent GPU machine). The cwd is the notebook's folder, as under
+    Jupyter; figures and tables go where its cells write them; `display(x)` logs x; the notebook itself
+    is not written: render it afterwards (render_only=True) where Jupyter is. A cell with IPython
+    syntax is refused before any cell runs (check_script_syntax)."""
+    path = Path(notebook).resolve()
+    cells = check_script_syntax(path)
+    os.environ.setdefault("MPLBACKEND", "Agg")  # no display: figures are saved, never shown
+    namespace = {"__name__": "__main__", "display": lambda *objs: [log.info(str(o)) for o in objs]}
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        for index, (cell, source) in enumerate(cells):
+            log.info(f"{path.name}: code cell {index}")
+            exec(compile(source, f"{path.name}, code cell {index}", "exec"), namespace)
+            if "parameters" in cell.get("metadata", {}).get("tags", []):
+                namespace.update(params)
+    finally:
+        os.chdir(cwd)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog=prog_name("blunb-study", "blunb.study"),
                                  description="Run a study notebook headless (papermill), parameters injected.")
@@ -855,9 +896,27 @@ def main(argv=None) -> None:
     ap.add_argument("-o", "--output", type=Path,
                     help="the executed notebook (default: <results>/scratch/<notebook name>)")
     ap.add_argument("-k", "--kernel", default="python3", help="Jupyter kernel (default: python3)")
+    ap.add_argument("--script", action="store_true",
+                    help="run the notebook's code cells in this process, without Jupyter or papermill (e.g. "
+                         "to train a GPU study's runs on a machine without them); no executed notebook is "
+                         "written: render it later with -p render_only True")
     args = ap.parse_args(argv)
     if not args.notebook.is_file():
         ap.error(f"no notebook at {args.notebook}")
+    if args.script and (args.output or args.kernel != "python3"):
+        ap.error("--script writes no notebook and uses no kernel: drop -o / -k")
+    try:
+        params = checked_parameters(notebook_defaults(args.notebook),
+                                    {key: _literal(value) for key, value in args.parameter})
+        if args.script:
+            check_script_syntax(args.notebook)
+    except (ConfigError, ValueError) as err:
+        ap.error(str(err))
+    if args.script:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        log.info(f"running {args.notebook} as a script with {params}")
+        run_as_script(args.notebook, params)
+        return
     try:
         import papermill
     except ImportError:
@@ -865,11 +924,6 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     output = args.output or results_root() / "scratch" / args.notebook.name
     output.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        params = checked_parameters(notebook_defaults(args.notebook),
-                                    {key: _literal(value) for key, value in args.parameter})
-    except (ConfigError, ValueError) as err:
-        ap.error(str(err))
     log.info(f"running {args.notebook} -> {output} with {params}")
     # The notebook's own folder as cwd: its relative paths mean what they mean in Jupyter.
     papermill.execute_notebook(str(args.notebook), str(output), parameters=params, kernel_name=args.kernel,

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 
 import nbformat
 import pandas as pd
@@ -136,6 +137,28 @@ def test_arm_seeds_replace_the_study_seeds_for_their_arms(tmp_path):
     study = Study("s", {"ab": [], "side": ["max_lr=1e-3"]}, seeds=[0], arm_seeds={"ab": [3, 4, 5]}, steps=4,
                   root=tmp_path)
     assert [p.name for p in study._plan()] == ["ab-s3", "ab-s4", "ab-s5", "side-s0"]
+
+
+def test_runs_launch_seed_by_seed_so_a_cut_off_study_leaves_whole_pairs(tmp_path, monkeypatch):
+    """One run at a time: the A/B arms' seeds alternate (a-s0, b-s0, side-s0, a-s1, b-s1, ...)."""
+    started = []
+
+    class Ended:
+        def poll(self):
+            return 0, None
+
+    def start(self, plan, command, slot):
+        started.append(plan.name)
+        return blunb.study._Active(plan, slot, 0.0, Ended())
+
+    monkeypatch.setattr(blunb.study._LocalLauncher, "start", start)
+    monkeypatch.setattr(blunb.study, "_outcome", lambda plan, *ended: blunb.study._Outcome("failed", "not run"))
+    study = Study("s", {"a": [], "b": ["max_lr=1e-3"], "side": ["max_lr=2e-3"]}, seeds=[0],
+                  arm_seeds={"a": [0, 1, 2], "b": [0, 1, 2]}, steps=4, root=tmp_path, max_parallel=1,
+                  allow_failures=True, progress=False)
+    with pytest.warns(UserWarning, match="7 of 7 run"):
+        study.run()
+    assert started == ["a-s0", "b-s0", "side-s0", "a-s1", "b-s1", "a-s2", "b-s2"]
 
 
 def test_render_only_refuses_to_train_and_names_the_missing_runs(tmp_path, no_launch):
@@ -276,3 +299,70 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
                          text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "no notebook at" in bad.stderr
 
+
+
+
+def _script_notebook(path, *cells):
+    params = nbformat.v4.new_code_cell('n = 1\nword = "a"')
+    params.metadata["tags"] = ["parameters"]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [params, *(nbformat.v4.new_code_cell(c) for c in cells)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_script_runs_the_cells_in_process_with_the_parameters_injected(tmp_path, monkeypatch):
+    (tmp_path / "nb").mkdir()
+    nb = _script_notebook(tmp_path / "nb" / "s.ipynb", 'display(n * 2)\nopen("seen.txt", "w").write(f"{n} {word}")')
+    monkeypatch.chdir(tmp_path)
+    blunb.study.main([str(nb), "--script", "-p", "n", "3", "-p", "word", "b"])
+    assert (tmp_path / "nb" / "seen.txt").read_text() == "3 b"  # the notebook's folder as cwd, as in Jupyter
+    assert os.getcwd() == str(tmp_path)
+    assert not (tmp_path / "results").exists()  # no executed notebook
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["-p", "nope", "1"], "nope"),
+    (["-o", "out.ipynb"], "--script writes no notebook"),
+    (["-p", "n", "'x'"], "n"),
+])
+def test_script_refuses_bad_input_before_any_cell_runs(tmp_path, capsys, argv, match):
+    nb = _script_notebook(tmp_path / "s.ipynb", 'open("ran.txt", "w").write("x")')
+    with pytest.raises(SystemExit) as exit_info:
+        blunb.study.main([str(nb), "--script", *argv])
+    assert exit_info.value.code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "ran.txt").exists()
+
+
+def test_script_refuses_ipython_syntax_before_any_cell_runs(tmp_path, capsys):
+    nb = _script_notebook(tmp_path / "s.ipynb", 'open("ran.txt", "w").write("x")', "%matplotlib inline")
+    with pytest.raises(SystemExit):
+        blunb.study.main([str(nb), "--script"])
+    assert "code cell 2 uses IPython syntax" in capsys.readouterr().err
+    assert not (tmp_path / "ran.txt").exists()
+
+
+def test_script_a_failing_cell_raises_naming_it(tmp_path):
+    nb = _script_notebook(tmp_path / "s.ipynb", "x = 1", "raise RuntimeError('boom')")
+    with pytest.raises(RuntimeError, match="boom") as err:
+        blunb.study.run_as_script(nb, {})
+    frames = traceback.extract_tb(err.value.__traceback__)
+    assert any(frame.filename == "s.ipynb, code cell 2" for frame in frames)
+
+
+def test_script_renders_a_committed_study_to_the_same_claims(tmp_path):
+    """The clipping study's committed 124m runs, rendered render_only by --script (no Jupyter): the
+    claims table is the committed one, byte for byte (the parameters: results/clipping/README.md)."""
+    import shutil
+
+    shutil.copytree(REPO / "results" / "clipping", tmp_path / "clipping",
+                    ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
+    common = '["global_batch=32768","val_freq=20","val_tokens=163840","data_order=shards"]'
+    proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/10_clipping.ipynb", "--script",
+                           "-p", "preset", "124m", "-p", "steps", "240", "-p", "runs_per_gpu", "3",
+                           "-p", "publish", "True", "-p", "render_only", "True", "-p", "common", common],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "clipping" / "claims.csv").read_text() == (REPO / "results/clipping/claims.csv").read_text()
+    assert (tmp_path / "clipping" / "loss_curves.png").is_file()
