@@ -9,12 +9,10 @@ re-runs at no cost; a failed run is reported with its root cause while the other
     study = Study("warmup", arms={"base": [], "long": ["warmup_steps=20"]}, seeds=[0, 1, 2], preset="tiny")
     summary = study.run()        # pandas, one row per run; also <study>/summary.csv
 
-CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT]` runs a study notebook headless;
-with `--script` its code cells run in-process, without Jupyter or papermill (a GPU machine that has
-neither trains the runs; the notebook is rendered afterwards with render_only where Jupyter is).
+CLI: `python -m blunb.study NOTEBOOK [-p KEY VALUE ...] [-o OUTPUT | --script]` runs a study notebook
+headless (papermill), or with --script its code cells in-process (no Jupyter: a GPU machine).
 
-Details (an example, parallel runs, clusters, caching, publishing, failures, the CLI's parameter
-checks): docs/architecture.md, section "blunb/study.py".
+Details (parallel runs, clusters, caching, publishing, failures, the CLI): docs/architecture.md, "blunb/study.py".
 """
 
 from __future__ import annotations
