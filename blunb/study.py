@@ -738,17 +738,25 @@ def check_publish(folder: str | Path, allow_dirty: bool = False) -> dict:
 
 # ---------------------------------------------------------------- notebook parameters
 
+def code_cells(notebook: str | Path) -> list[tuple[dict, str]]:
+    """`notebook`'s code cells, in order, as (cell, its source as one string)."""
+    cells = [c for c in json.loads(Path(notebook).read_text()).get("cells", []) if c.get("cell_type") == "code"]
+    return [(c, c["source"] if isinstance(c["source"], str) else "".join(c["source"])) for c in cells]
+
+
+def _is_parameters(cell: dict) -> bool:
+    return "parameters" in cell.get("metadata", {}).get("tags", [])
+
+
 def notebook_defaults(notebook: str | Path) -> dict:
     """The defaults of a notebook's `parameters` cell: name -> value of each `name = <literal>`
     line (None for a value that is no literal: its type is not checked)."""
     path = Path(notebook)
-    cells = [c for c in json.loads(path.read_text()).get("cells", [])
-             if "parameters" in c.get("metadata", {}).get("tags", [])]
-    if not cells:
+    sources = [source for cell, source in code_cells(path) if _is_parameters(cell)]
+    if not sources:
         raise ValueError(f"{path} has no cell tagged 'parameters'")
-    source = cells[0]["source"]
     defaults = {}
-    for node in ast.parse(source if isinstance(source, str) else "".join(source)).body:
+    for node in ast.parse(sources[0]).body:
         target, value = ((node.targets[0], node.value) if isinstance(node, ast.Assign) and len(node.targets) == 1
                          else (node.target, node.value) if isinstance(node, ast.AnnAssign) else (None, None))
         if isinstance(target, ast.Name) and value is not None:
@@ -853,8 +861,7 @@ def check_script_syntax(notebook: str | Path) -> list[tuple[dict, str]]:
     """`notebook`'s code cells as (cell, source); ValueError naming the first cell with IPython syntax
     (a %magic or !shell line), which only Jupyter runs."""
     path = Path(notebook)
-    cells = [c for c in json.loads(path.read_text()).get("cells", []) if c.get("cell_type") == "code"]
-    cells = [(c, "".join(c["source"]) if isinstance(c["source"], list) else c["source"]) for c in cells]
+    cells = code_cells(path)
     for index, (_, source) in enumerate(cells):
         if any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()):
             raise ValueError(f"{path.name}: code cell {index} uses IPython syntax (% or !), which runs only "
@@ -879,7 +886,7 @@ def run_as_script(notebook: str | Path, params: dict) -> None:
         for index, (cell, source) in enumerate(cells):
             log.info(f"{path.name}: code cell {index}")
             exec(compile(source, f"{path.name}, code cell {index}", "exec"), namespace)
-            if "parameters" in cell.get("metadata", {}).get("tags", []):
+            if _is_parameters(cell):
                 namespace.update(params)
     finally:
         os.chdir(cwd)

@@ -4,6 +4,7 @@
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -300,8 +301,6 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     assert bad.returncode == 2 and "no notebook at" in bad.stderr
 
 
-
-
 def _script_notebook(path, *cells):
     params = nbformat.v4.new_code_cell('n = 1\nword = "a"')
     params.metadata["tags"] = ["parameters"]
@@ -353,8 +352,6 @@ def test_script_a_failing_cell_raises_naming_it(tmp_path):
 def test_script_renders_a_committed_study_to_the_same_claims(tmp_path):
     """The clipping study's committed 124m runs, rendered render_only by --script (no Jupyter): the
     claims table is the committed one, byte for byte (the parameters: results/clipping/README.md)."""
-    import shutil
-
     shutil.copytree(REPO / "results" / "clipping", tmp_path / "clipping",
                     ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
     common = '["global_batch=32768","val_freq=20","val_tokens=163840","data_order=shards"]'
