@@ -1,0 +1,75 @@
+"""tools/gpu_study.sh: a study started in a session of its own, its completed runs collected once each."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "gpu_study.sh"
+
+
+def run_tool(*args, results, timeout=120):
+    env = {**os.environ, "BLUNB_RESULTS": str(results), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(TOOL), *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def fake_run(folder: Path, name: str, state: str) -> None:
+    run = folder / name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_10.pt").write_bytes(b"\0" * 64)
+    (run / "status.json").write_text(json.dumps({"state": state}, indent=2))
+    (run / "metrics.csv").write_text("step,train_loss\n0,3.5\n")
+
+
+def test_collect_packs_each_completed_run_once_without_checkpoints(tmp_path):
+    folder = tmp_path / "results" / "study"
+    fake_run(folder, "a-s0", "completed")
+    fake_run(folder, "b-s0", "running")
+    out = tmp_path / "out"
+    out.mkdir()
+    first = run_tool("collect", folder, out, 0, results=tmp_path / "results")
+    assert first.returncode == 0, first.stderr
+    assert "a-s0" in first.stdout and "(1 completed in all)" in first.stdout
+    [archive] = out.glob("runs-*.tgz")
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert "a-s0/status.json" in names and "a-s0/metrics.csv" in names
+    assert not any("checkpoints" in n or n.startswith("b-s0") for n in names)
+
+    archive.unlink()
+    (folder / "b-s0" / "status.json").write_text(json.dumps({"state": "completed"}, indent=2))
+    second = run_tool("collect", folder, out, 0, results=tmp_path / "results")
+    assert second.returncode == 0, second.stderr
+    [archive] = out.glob("runs-*.tgz")
+    with tarfile.open(archive) as tar:
+        assert {n.split("/")[0] for n in tar.getnames()} == {"b-s0"}
+
+
+def test_start_reports_a_bad_parameter_at_once(tmp_path):
+    started = run_tool("start", "notebooks/10_clipping.ipynb", "-p", "no_such_parameter", "1", results=tmp_path)
+    assert started.returncode == 1
+    assert "unknown parameter 'no_such_parameter'" in started.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("start", "notebooks/no_such.ipynb"), "no notebook"),
+    (("collect", "/nonexistent/study", "/tmp"), "no study folder"),
+    (("launch",), "tools/gpu_study.sh start NOTEBOOK"),
+])
+def test_bad_input_is_refused_before_any_work(tmp_path, args, message):
+    refused = run_tool(*args, results=tmp_path)
+    assert refused.returncode != 0
+    assert message in refused.stderr
+
+
+def test_results_folder_must_be_named(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "BLUNB_RESULTS"}
+    refused = subprocess.run(["bash", str(TOOL), "collect", tmp_path, tmp_path], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "set BLUNB_RESULTS" in refused.stderr
