@@ -1,6 +1,5 @@
 """tools/gpu_study.sh: a study started in a session of its own, its completed runs collected once each."""
 
-import json
 import os
 import subprocess
 import sys
@@ -8,6 +7,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
+from blunb.runs import write_status
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "gpu_study.sh"
@@ -23,7 +24,7 @@ def fake_run(folder: Path, name: str, state: str) -> None:
     run = folder / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step_10.pt").write_bytes(b"\0" * 64)
-    (run / "status.json").write_text(json.dumps({"state": state}, indent=2))
+    write_status(run, state, 10, 20)  # the runner's own writer: the tool reads its format
     (run / "metrics.csv").write_text("step,train_loss\n0,3.5\n")
 
 
@@ -43,7 +44,7 @@ def test_collect_packs_each_completed_run_once_without_checkpoints(tmp_path):
     assert not any("checkpoints" in n or n.startswith("b-s0") for n in names)
 
     archive.unlink()
-    (folder / "b-s0" / "status.json").write_text(json.dumps({"state": "completed"}, indent=2))
+    write_status(folder / "b-s0", "completed", 20, 20)
     second = run_tool("collect", folder, out, 0, results=tmp_path / "results")
     assert second.returncode == 0, second.stderr
     [archive] = out.glob("runs-*.tgz")
