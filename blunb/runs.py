@@ -199,6 +199,17 @@ def _process_start(pid: int) -> int | None:
     return None if fields[0] in "ZX" else int(fields[19])
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (interpreter start and imports included); None off Linux."""
+    start = _process_start(os.getpid())
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except OSError:
+        return None
+    return None if start is None else max(0.0, uptime - start / os.sysconf("SC_CLK_TCK"))
+
+
 def process_alive(info: dict) -> bool:
     """Whether the process of a process_info() record (on this host) still runs."""
     pid, start = info.get("pid"), info.get("start")

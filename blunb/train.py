@@ -17,6 +17,7 @@ fault injection in blunb.faults, the run's logger in blunb.run_log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -65,6 +66,7 @@ from blunb.runs import (
     MetricsWriter,
     RunWriteError,
     environment,
+    process_age_s,
     process_info,
     set_aside_rows_from,
     write_status,
@@ -163,6 +165,8 @@ def _loop(run: _Run) -> None:
     train_step(), which reads the previous step back once its own first backward is queued."""
     cfg, device = run.cfg, run.device
     run.start += time.perf_counter()
+    loop_start = time.perf_counter()
+    run.wall["to_first_step"] = process_age_s()
     pending = None                      # the previous step, until its scalars are read
     profiler, profile_window = None, (_profile_window(cfg, run.start_step) if run.rank == 0 else range(0))
     for step in range(run.start_step, cfg.max_steps):
@@ -177,7 +181,8 @@ def _loop(run: _Run) -> None:
             if pending is not None:  # the checkpoint holds only steps that passed the health checks
                 finish_step(run, pending)
                 pending = None
-            _save_checkpoint(run, step)
+            with _timed(run, "checkpoints"):
+                _save_checkpoint(run, step)
         val_loss = _validate_if_due(run, step)
         if step == profile_window.start and len(profile_window):
             profiler = _start_profiler(device)
@@ -190,6 +195,20 @@ def _loop(run: _Run) -> None:
     if pending is not None:  # None when a resumed run had nothing left to do
         pending.end = time.perf_counter()
         finish_step(run, pending)
+    run.wall["steps"] = time.perf_counter() - loop_start - run.wall["validation"] - run.wall["checkpoints"]
+
+
+@contextlib.contextmanager
+def _timed(run: _Run, what: str):
+    """Add the block's wall time to run.wall[what]; the device is synced first, so the step in flight
+    is not counted as the block's."""
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        run.wall[what] += time.perf_counter() - t0
 
 
 def _stop_error(err: BaseException, cfg: TrainConfig, run: _Run | None) -> BaseException | None:
@@ -243,6 +262,10 @@ class _Run:
     steps_done: int = 0              # steps finished and passed the health checks
     start_step: int = 0              # > 0 when resumed from a checkpoint
     resumed_from: Path | None = None
+    # where the run's wall-clock time went (status.json's wall_s): on a shared GPU, what a study pays
+    # besides its steps
+    wall: dict = field(default_factory=lambda: {"to_first_step": None, "steps": 0.0, "validation": 0.0,
+                                                "validations": 0, "checkpoints": 0.0})
 
 
 def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: torch.device,
@@ -511,6 +534,7 @@ def _finish_run(run: _Run) -> None:
         log.info(f"{run.skipped_total} step(s) skipped for a non-finite gradient norm")
     log.info("")
     log.info(run.meter.summary())
+    log.info(_wall_line(run.wall))
     log.info("=== Training complete ===")
     skipped_frac = run.skipped_total / run.cfg.max_steps
     diverged = skipped_frac > run.cfg.diverged_skip_frac
@@ -520,7 +544,8 @@ def _finish_run(run: _Run) -> None:
     if run.rank == 0:
         write_status(run.run_dir, "diverged" if diverged else "completed", run.cfg.max_steps, run.cfg.max_steps,
                      error=f"{run.skipped_total} of {run.cfg.max_steps} steps skipped for a non-finite gradient norm "
-                           f"(more than diverged_skip_frac={run.cfg.diverged_skip_frac:g})" if diverged else None)
+                           f"(more than diverged_skip_frac={run.cfg.diverged_skip_frac:g})" if diverged else None,
+                     wall_s=run.wall)
     if run.metrics is not None:
         run.metrics.close()
         run.metrics = None
@@ -530,6 +555,13 @@ def _finish_run(run: _Run) -> None:
     world_size = run.world_size
     run.opt = run.model = run.scalar_group = None  # torch DDP's reducer holds the process group
     _destroy_process_group(world_size)
+
+
+def _wall_line(wall: dict) -> str:
+    first = "unknown" if wall["to_first_step"] is None else f"{wall['to_first_step']:.1f} s"
+    return (f"wall clock: {first} from process start to the first step, {wall['steps']:.1f} s of steps, "
+            f"{wall['validation']:.1f} s of validation ({wall['validations']} passes), "
+            f"{wall['checkpoints']:.1f} s of checkpoints")
 
 
 def _destroy_process_group(world_size: int) -> None:
@@ -708,7 +740,9 @@ def _validate_if_due(run: _Run, step: int) -> float | None:
     if not _validation_due(cfg, step):
         return None
     run.opt.drain()  # install any staged parameter refresh before reading the weights
-    run.last_val = evaluate(run.model, run.val_set, cfg.B, run.device, run.world_size)
+    with _timed(run, "validation"):
+        run.last_val = evaluate(run.model, run.val_set, cfg.B, run.device, run.world_size)
+    run.wall["validations"] += 1
     if run.rank == 0:
         _write_running(run)
     return run.last_val

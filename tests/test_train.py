@@ -182,8 +182,10 @@ def test_muon_run_trains_with_whole_matrix_owners(tmp_path):
 def test_status_records_how_each_run_ended(tmp_path):
     ok = tmp_path / "ok"
     _torchrun_train(2, "--preset", "tiny", "--max-steps", "3", "--run-dir", str(ok))
-    assert read_status(ok) | {"updated": None} == {"state": "completed", "steps_done": 3, "steps_total": 3,
-                                                   "error": None, "updated": None}
+    st = read_status(ok)
+    assert set(st.pop("wall_s")) == {"to_first_step", "steps", "validation", "validations", "checkpoints"}
+    assert st | {"updated": None} == {"state": "completed", "steps_done": 3, "steps_total": 3, "error": None,
+                                      "updated": None}
     bad = tmp_path / "bad"
     proc = _torchrun_train(2, "--preset", "tiny", "--max-steps", "8", "--run-dir", str(bad), "--set", "max_lr=1e30",
                            "--set", "grad_clip=0", "--set", "max_consecutive_skips=2", check=False)
@@ -192,6 +194,18 @@ def test_status_records_how_each_run_ended(tmp_path):
     assert st["state"] == "failed" and "non-finite for 2 steps" in st["error"] and st["steps_done"] == 2
     summary = summarize([load_run(ok), load_run(bad)])
     assert summary["complete"].tolist() == [True, False]
+
+
+def test_a_completed_run_says_where_its_wall_clock_went(tmp_path):
+    run = tmp_path / "r"
+    proc = _train_cli("--max-steps", "6", "--run-dir", str(run), "--set", "val_freq=2", "--set", "ckpt_freq=3")
+    wall = read_status(run)["wall_s"]
+    assert wall["validations"] == 4  # steps 0, 2, 4 and the last
+    assert 0 < wall["to_first_step"] < 600 and wall["steps"] > 0 and wall["validation"] > 0
+    assert wall["checkpoints"] > 0  # the one at step 3
+    line = next(li for li in proc.stdout.splitlines() if li.startswith("wall clock:"))
+    assert f"{wall['steps']:.1f} s of steps" in line and "(4 passes)" in line
+    assert line in (run / "log.txt").read_text()
 
 
 def test_a_failure_right_after_the_folder_is_claimed_is_recorded(tmp_path, monkeypatch):
