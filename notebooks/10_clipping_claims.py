@@ -30,7 +30,7 @@ BAND_SEEDS = 3
 # The spread of the A/B pairs' final-val-loss differences in the committed 124m runs of 2026-12-01 (results/
 # clipping/summary.csv at commit 87bd736: 240 steps, 3 pairs, two of them reading the same data), and the pairs
 # a TOST at AB_MARGIN_NATS needs for 80% power at alpha 0.05 if the GPU_SCALE runs spread as much (adamw 36,
-# muon 3): the first AB_SEEDS pairs re-estimate the spread, which decides how many more the runner adds.
+# muon 3): the first AB_SEEDS pairs re-estimate it (the A/B table's pairs_for_power): more seeds where it says so.
 PILOT_PAIRED_SD = {"adamw": 0.040, "muon": 0.0063}
 PAIRS_FOR_POWER = {opt: pairs_for_tost(sd, AB_MARGIN_NATS) for opt, sd in PILOT_PAIRED_SD.items()}
 
