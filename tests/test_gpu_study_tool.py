@@ -52,6 +52,13 @@ def test_collect_packs_each_completed_run_once_without_checkpoints(tmp_path):
         assert {n.split("/")[0] for n in tar.getnames()} == {"b-s0"}
 
 
+def test_collect_from_a_study_with_no_run_yet_succeeds(tmp_path):
+    (tmp_path / "study").mkdir()
+    done = run_tool("collect", tmp_path / "study", tmp_path, 0, results=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "none (0 completed in all)" in done.stdout and not list(tmp_path.glob("runs-*.tgz"))
+
+
 def test_start_reports_a_bad_parameter_at_once(tmp_path):
     started = run_tool("start", "notebooks/10_clipping.ipynb", "-p", "no_such_parameter", "1", results=tmp_path)
     assert started.returncode == 1

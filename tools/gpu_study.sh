@@ -72,7 +72,8 @@ collect)
   fi
   cp "$results"/*.log "$out"/ 2> /dev/null || true  # the runner's progress and any traceback
   for metrics in "$folder"/*/metrics.csv; do
-    [ -e "$metrics" ] && echo "$(basename "$(dirname "$metrics")"): $(tail -1 "$metrics" | cut -c1-60)"
+    [ -e "$metrics" ] || continue  # a study folder with no run yet: the unmatched glob itself
+    echo "$(basename "$(dirname "$metrics")"): $(tail -1 "$metrics" | cut -c1-60)"
   done
   ;;
 *) usage ;;
