@@ -237,12 +237,6 @@ def test_a_nan_update_is_rejected_and_leaves_the_master_as_it_was():
         assert bool(opt.state[p]["momentum_buffer"].ne(0).any())
 
 
-def test_polar_express_orthogonalizes():
-    torch.manual_seed(0)
-    sv = torch.linalg.svdvals(NewtonSchulz(coefficients="polar_express")(torch.randn(32, 64)).float())
-    assert 0.7 < float(sv.min()) and float(sv.max()) < 1.3
-
-
 def test_rejects_bad_arguments(monkeypatch):
     p = nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError):

@@ -58,3 +58,27 @@ def test_verdict_cache_is_versioned_and_persisted(tmp_path, monkeypatch):
     assert fused._Cache().get("dev|b0|m8|k8")["cublas_ms"] == 1.0
     path.write_text(json.dumps({"version": fused.CACHE_VERSION - 1, "entries": {"dev|b0|m8|k8": {}}}))
     assert fused._Cache().get("dev|b0|m8|k8") is None  # an older generation is never reused
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "polar_express"])
+@pytest.mark.parametrize("shape", [(2, 37, 70), (2, 70, 37), (1, 45, 45)])
+def test_newton_schulz_on_the_syrk_equals_the_plain_path(schedule, shape, monkeypatch):
+    """Both of an iteration's symmetric products on the Triton SYRK (the Gram, and c A A + b A with that
+    step's own b, c) against the cuBLAS-style bmm path, per coefficient schedule, tall / wide / square.
+    fp32 through NS's own chain (the engine stages bf16, whose arithmetic the interpreter gets wrong; the
+    GPU tests take bf16): the two differ only in summation order, ~1e-7 relative per product, amplified
+    by each step's polynomial (slope up to ~8 in polar_express's first), so 1e-5 on O(1) entries
+    (measured: <= 1.3e-6). A triple applied at the wrong step or a lost b or c is off by O(0.1)."""
+    from blunb.optim.newton_schulz import NewtonSchulz
+    calls = []
+    real = fused.triton_syrk
+
+    def counted(*args, **kwargs):
+        calls.append(len(args))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fused, "triton_syrk", counted)
+    torch.manual_seed(0)
+    ns = NewtonSchulz(5, schedule, graphs=False)
+    X = torch.randn(*shape)
+    torch.testing.assert_close(ns._ns(X, (True, True)), ns._ns(X, (False, False)), rtol=0, atol=1e-5)
+    assert calls == [1, 4] * 5   # each step: the Gram, then the product with that step's (c, b) epilogue

@@ -118,7 +118,8 @@ class ShardedMuon(torch.optim.Optimizer):
 
     Beyond the shared signature: max_grad_norm (aux-part clip; 0 disables),
     adamw_weight_decay (default weight_decay; applied to >= 2-D aux tensors only),
-    ns_coefficients ("muon" | "polar_express" | (a, b, c)), ns_graphs / ns_syrk (None =
+    ns_coefficients (a schedule name in newton_schulz.NS_SCHEDULES, "fixed" by default, or
+    (a, b, c), or ns_steps triples; see NewtonSchulz), ns_graphs / ns_syrk (None =
     auto; see NewtonSchulz), verbose (rank-0 construction report).
 
     reduce_dtype, overlap_backward, overlap_refresh: see the module docstring. `stages`
@@ -133,7 +134,7 @@ class ShardedMuon(torch.optim.Optimizer):
                  weight_decay: float = 0.1, adjust_lr: str = "match_rms_adamw", process_group=None,
                  collective: str = "rs_ag", target_buckets: int = 6, adamw_lr: float | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, *, max_grad_norm: float = 0.0,
-                 adamw_weight_decay: float | None = None, ns_coefficients="muon",
+                 adamw_weight_decay: float | None = None, ns_coefficients="fixed",
                  ns_graphs: bool | None = None, ns_syrk: bool | None = None, reduce_dtype: str = "param",
                  overlap_backward: bool = False, overlap_refresh: bool = False, stages=None,
                  verbose: bool = True):
@@ -320,7 +321,8 @@ class ShardedMuon(torch.optim.Optimizer):
         elif pct < 25.0:
             clip += f"\n[ShardedMuon] *** WARNING: grad clip leaves {100 - pct:.2f}% of parameters unclipped ***"
         return (f"[ShardedMuon] {len(self._muon_params)} matrices ({n_muon} params) -> Muon "
-                f"(lr {g0['lr']:g}, momentum {g0['momentum']}, nesterov {g0['nesterov']}, NS{g0['ns_steps']}, "
+                f"(lr {g0['lr']:g}, momentum {g0['momentum']}, nesterov {g0['nesterov']}, NS{g0['ns_steps']} "
+                f"{self.ns.schedule}, "
                 f"adjust_lr {g0['adjust_lr']}, wd {g0['weight_decay']}); {len(self._aux_params)} tensors "
                 f"({n_aux} params) -> AdamW (lr {g1['lr']:g}); world {self.world}, collective {self.collective}, "
                 f"{len(self._buckets)} buckets, reduce_dtype {self.reduce_dtype}, overlap_backward "

@@ -7,13 +7,14 @@ small matrices; so on CUDA each (batch, rows, cols) slot is captured once as a C
 (the same kernels on the same data: results bitwise identical to eager). BLUNB_NS_GRAPHS=0 turns graphs
 off.
 
-Details (the iteration for wide and tall X, polar_express, the capture rules): docs/architecture.md,
-section "blunb/optim/newton_schulz.py".
+Details (the iteration for wide and tall X, the coefficient schedules fixed and polar_express, the
+capture rules): docs/architecture.md, section "blunb/optim/newton_schulz.py".
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -21,35 +22,83 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Keller Jordan's quintic, torch.optim.Muon's default: the same (a, b, c) at every iteration.
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-POLAR_EXPRESS_COEFFICIENTS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+
+# Polar Express (Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
+# Application to the Muon Algorithm", arXiv 2505.16932, Algorithm 1: degree 5, lower bound l = 1e-3, the
+# version run in bf16 in their GPT-2 experiments). Each triple is the minimax-optimal odd quintic for the
+# singular-value interval the previous ones leave, before the safety factor. The last one is the classical
+# (15x - 10x^3 + 3x^5) / 8, which the optimal polynomials reach numerically; the paper's rule repeats it
+# for every later iteration, so any ns_steps has a schedule.
+POLAR_EXPRESS_OPTIMAL = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
 )
-POLAR_EXPRESS_SAFETY = 1.02
+# Algorithm 1's bf16 safety factor (its Section 4.4): every polynomial but the last becomes p(x / 1.01), so
+# round-off just above the interval's upper bound cannot grow from one iteration to the next, and the input
+# is divided by 1.01 ||X||_F + eps rather than ||X||_F.
+POLAR_EXPRESS_SAFETY = 1.01
 EPS = 1e-7
+
+
+def _scaled(abc: tuple[float, float, float], s: float) -> tuple[float, float, float]:
+    """(a, b, c) of x -> p(x / s) for p(x) = a x + b x^3 + c x^5."""
+    a, b, c = abc
+    return a / s, b / s**3, c / s**5
+
+
+@dataclass(frozen=True)
+class NSSchedule:
+    """A coefficient schedule: (a, b, c) per iteration, its last triple repeated past its length; the
+    input is divided by safety * ||X||_F (1.0: torch.optim.Muon's max(||X||_F, eps))."""
+
+    coefficients: tuple[tuple[float, float, float], ...]
+    safety: float = 1.0
+
+    def per_step(self, steps: int) -> list[tuple[float, float, float]]:
+        extra = max(0, steps - len(self.coefficients))
+        return list(self.coefficients[:steps]) + [self.coefficients[-1]] * extra
+
+
+# The Muon setting muon_ns_schedule (TrainConfig) names one of these; "fixed" is the default.
+NS_SCHEDULES = {
+    "fixed": NSSchedule((MUON_COEFFICIENTS,)),
+    "polar_express": NSSchedule(tuple(_scaled(t, POLAR_EXPRESS_SAFETY) for t in POLAR_EXPRESS_OPTIMAL[:-1])
+                                + POLAR_EXPRESS_OPTIMAL[-1:], POLAR_EXPRESS_SAFETY),
+}
 
 
 def resolve_coefficients(coefficients, steps: int) -> tuple[list[tuple[float, float, float]], float]:
     """Per-step (a, b, c) list and the normalization safety factor.
 
-    coefficients: "muon" (torch.optim.Muon's), "polar_express" (its 5-step schedule;
-    extra steps repeat the last), or one (a, b, c) tuple used at every step.
+    coefficients: a name in NS_SCHEDULES, one (a, b, c) used at every step, or a sequence of
+    `steps` triples, one per step (both of these with safety 1.0).
     """
     if steps < 1:
         raise ValueError(f"ns_steps must be >= 1, got {steps}")
-    if coefficients == "muon":
-        return [MUON_COEFFICIENTS] * steps, 1.0
-    if coefficients == "polar_express":
-        pe = list(POLAR_EXPRESS_COEFFICIENTS)
-        return (pe + [pe[-1]] * steps)[:steps], POLAR_EXPRESS_SAFETY
-    abc = tuple(float(v) for v in coefficients)
-    if len(abc) != 3:
-        raise ValueError(f"ns coefficients must be 'muon', 'polar_express' or (a, b, c), got {coefficients!r}")
-    return [abc] * steps, 1.0
+    if isinstance(coefficients, str):
+        if coefficients not in NS_SCHEDULES:
+            raise ValueError(f"unknown Newton-Schulz schedule {coefficients!r}; known: {', '.join(NS_SCHEDULES)}")
+        schedule = NS_SCHEDULES[coefficients]
+        return schedule.per_step(steps), schedule.safety
+    triples = list(coefficients)
+    if all(isinstance(v, numbers.Real) for v in triples):  # one (a, b, c) for every step
+        triples = [triples] * steps
+    if len(triples) != steps or not all(_is_triple(t) for t in triples):
+        raise ValueError(f"ns coefficients must be a schedule name ({', '.join(NS_SCHEDULES)}), one (a, b, c) "
+                         f"or {steps} (a, b, c) triples, one per step; got {coefficients!r}")
+    return [tuple(float(v) for v in t) for t in triples], 1.0
+
+
+def _is_triple(t) -> bool:
+    return isinstance(t, (tuple, list)) and len(t) == 3 and all(isinstance(v, numbers.Real) for v in t)
 
 
 def graphs_enabled() -> bool:
@@ -76,14 +125,18 @@ class NewtonSchulz:
     static buffer: it stays valid until the next call for the same shape, so consume (or
     clone) it before that; the caller may modify it in place.
 
-    graphs: None = on for CUDA unless BLUNB_NS_GRAPHS=0. syrk: None = per-shape autotune
-    verdict on CUDA (never on CPU), True/False to force.
+    coefficients: see resolve_coefficients ("fixed": torch.optim.Muon's). `schedule` names it
+    ("custom" for explicit triples). graphs: None = on for CUDA unless BLUNB_NS_GRAPHS=0.
+    syrk: None = per-shape autotune verdict on CUDA (never on CPU), True/False to force.
     """
 
-    def __init__(self, steps: int = 5, coefficients="muon", eps: float = EPS,
+    def __init__(self, steps: int = 5, coefficients="fixed", eps: float = EPS,
                  graphs: bool | None = None, syrk: bool | None = None):
         self.steps = steps
-        self.coefficients, self.safety = resolve_coefficients(coefficients, steps)
+        per_step, self.safety = resolve_coefficients(coefficients, steps)
+        # A tuple: a captured graph has these values baked in as its kernels' scalars, one set per step.
+        self.coefficients = tuple(per_step)
+        self.schedule = coefficients if isinstance(coefficients, str) else "custom"
         self.eps = eps
         self.graphs = graphs_enabled() if graphs is None else graphs
         self.syrk = syrk
@@ -171,14 +224,15 @@ def _wide(X: torch.Tensor) -> torch.Tensor:
     return X.mT if X.shape[-2] > X.shape[-1] else X
 
 
-def zeropower_reference(G: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS, eps: float = EPS):
-    """torch.optim.Muon's NS on one matrix, for tests and benchmarks (plain 2-D ops)."""
-    a, b, c = coefficients
+def zeropower_reference(G: torch.Tensor, steps: int = 5, coefficients="fixed", eps: float = EPS):
+    """torch.optim.Muon's NS on one matrix, for tests and benchmarks (plain 2-D ops), with any
+    coefficients NewtonSchulz takes."""
+    per_step, safety = resolve_coefficients(coefficients, steps)
     X = G.bfloat16()
     tall = G.size(0) > G.size(1)
     X = X.T if tall else X
-    X = X / X.norm().clamp(min=eps)
-    for _ in range(steps):
+    X = X / X.norm().clamp(min=eps) if safety == 1.0 else X / (X.norm() * safety + eps)
+    for a, b, c in per_step:
         A = X @ X.T
         X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
     return X.T if tall else X

@@ -102,7 +102,7 @@ def run_case(case, rank, W):
     opt = ShardedMuon([{"params": M, "use_muon": True}, {"params": A, "use_muon": False}], lr=LR,
                       momentum=MU, nesterov=case["nesterov"], weight_decay=WD, adjust_lr=case["adjust_lr"],
                       collective=case["collective"], target_buckets=case.get("buckets", 6), adamw_lr=ADAMW_LR,
-                      max_grad_norm=case["clip"], ns_coefficients=case.get("ns_coefficients", "muon"),
+                      max_grad_norm=case["clip"], ns_coefficients=case.get("ns_coefficients", "fixed"),
                       reduce_dtype=reduce_dtype or "param", verbose=False)
     ref_muon = torch.optim.Muon(Mr, lr=LR, weight_decay=WD, momentum=MU, nesterov=case["nesterov"],
                                 adjust_lr_fn=case["adjust_lr"])

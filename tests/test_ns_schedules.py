@@ -1,0 +1,168 @@
+"""Newton-Schulz coefficient schedules: fixed (torch.optim.Muon's quintic) and polar_express
+(Amsel et al. 2025), against the exact polar factor and their designs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from blunb.optim.newton_schulz import (
+    MUON_COEFFICIENTS,
+    NS_SCHEDULES,
+    POLAR_EXPRESS_OPTIMAL,
+    NewtonSchulz,
+    resolve_coefficients,
+    zeropower_reference,
+)
+
+# bf16 iterates are rounded every step (2^-9 relative per rounding, a few roundings per step, amplified
+# by each polynomial's slope); on these inputs they land at most 0.004 outside the exact-arithmetic bands
+# below. 0.02 is the repo's bf16 Newton-Schulz tolerance (tests/test_muon_gpu.py).
+BF16 = 0.02
+
+
+def _composed(schedule: str, steps: int, lo: float) -> np.ndarray:
+    """The scalar map the schedule applies to each singular value s / ||G||_F in [lo, 1], in float64."""
+    s = NS_SCHEDULES[schedule]
+    x = np.logspace(math.log10(lo), 0, 200_001) / s.safety
+    for a, b, c in s.per_step(steps):
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def test_the_polar_express_table_is_the_papers_minimax_composition():
+    """Each composition of the first t optimal polynomials is the best uniform approximation of 1 on
+    [l, 1] = [1e-3, 1] (the paper's Theorem 4.1), so it equioscillates: its range there is [1 - E_t, 1 + E_t]
+    exactly, with E_t falling to 0. Measured: symmetric to < 1e-12 at every t, E_5 = 0.1236, E_8 < 1e-15.
+    A digit mistyped anywhere past the first few of any coefficient breaks the symmetry well above 1e-8."""
+    x = np.logspace(-3, 0, 400_001)
+    errors = []
+    for a, b, c in POLAR_EXPRESS_OPTIMAL:
+        x = a * x + b * x**3 + c * x**5
+        below, above = 1 - x.min(), x.max() - 1
+        assert abs(below - above) < 1e-8 * max(1.0, below), (below, above)
+        errors.append(above)
+    assert all(e1 < e0 for e0, e1 in zip(errors[:6], errors[1:7])) and errors[-1] < 1e-12
+    assert errors[4] == pytest.approx(0.1236, abs=1e-4)
+
+
+def test_each_schedule_maps_its_design_interval_where_it_should():
+    """Exact arithmetic, the inputs' singular values s / ||G||_F spread over each design interval.
+    fixed: the quintic's known plateau [0.68, 1.13] from 1e-2 up (it does not converge: both ends are
+    reached, and 1e-3 is still at 0.47 after 5 steps). polar_express, from the paper's l = 1e-3 up:
+    [0.840, 1.124] after 5 steps, [0.993, 1.002] after 6, 1 within 1e-12 from 8 on (the paper's rule
+    repeats the classical quintic, which fixes 1)."""
+    fixed = _composed("fixed", 5, 1e-2)
+    assert 0.68 < fixed.min() < 0.69 and 1.13 < fixed.max() < 1.135
+    assert _composed("fixed", 5, 1e-3).min() < 0.5
+    pe5, pe6 = _composed("polar_express", 5, 1e-3), _composed("polar_express", 6, 1e-3)
+    assert 0.84 < pe5.min() and pe5.max() < 1.124
+    assert 0.993 < pe6.min() and pe6.max() < 1.002
+    for steps in (8, 12):
+        assert np.abs(_composed("polar_express", steps, 1e-3) - 1).max() < 1e-12
+    # tighter: its worst deviation from 1 (0.160) is half the fixed quintic's (0.318), on a 10x wider interval
+    assert np.abs(pe5 - 1).max() < 0.17 and np.abs(fixed - 1).max() > 0.31
+
+
+def test_polar_express_past_its_table_repeats_the_last_polynomial_and_truncates_below_it():
+    pe = NS_SCHEDULES["polar_express"].coefficients
+    assert len(pe) == len(POLAR_EXPRESS_OPTIMAL) == 8 and pe[-1] == (1.875, -1.25, 0.375)
+    assert resolve_coefficients("polar_express", 3) == (list(pe[:3]), 1.01)
+    assert resolve_coefficients("polar_express", 12) == (list(pe) + [pe[-1]] * 4, 1.01)
+    # the safety factor is p(x / 1.01) on every polynomial but the last (Algorithm 1)
+    a, b, c = POLAR_EXPRESS_OPTIMAL[0]
+    assert pe[0] == (a / 1.01, b / 1.01**3, c / 1.01**5)
+    assert resolve_coefficients("fixed", 7) == ([MUON_COEFFICIENTS] * 7, 1.0)
+
+
+def test_bad_coefficients_are_refused_naming_the_schedules():
+    with pytest.raises(ValueError, match="unknown Newton-Schulz schedule 'polar'; known: fixed, polar_express"):
+        NewtonSchulz(coefficients="polar")
+    with pytest.raises(ValueError, match="5 .a, b, c. triples, one per step"):
+        NewtonSchulz(5, [MUON_COEFFICIENTS] * 4)
+    with pytest.raises(ValueError, match="one per step"):
+        NewtonSchulz(2, [(1.0, 2.0), (1.0, 2.0)])
+    with pytest.raises(ValueError, match="ns_steps must be >= 1"):
+        NewtonSchulz(0, "polar_express")
+
+
+def _design(shape, lo, gen):
+    """Random singular vectors, singular values 1 and log-spaced over [lo, 0.1] (s / ||G||_F from ~lo to ~1)."""
+    *batch, m, n = shape
+    k = min(m, n)
+    out = []
+    for _ in range(batch[0] if batch else 1):
+        U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+        V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+        s = torch.logspace(math.log10(lo), -1, k - 1, dtype=torch.float64)
+        out.append(((U * torch.cat([s.new_ones(1), s])) @ V.T).float())
+    return torch.stack(out) if batch else out[0]
+
+
+def _inputs():
+    """Fresh matrices, odd tall / wide / batched shapes: Gaussian ones (s / ||G||_F ~0.06-0.3) and ones
+    spread over [1e-2, 1]. Not down to 1e-3: the input's own bf16 rounding moves singular values of
+    ~1e-3 ||G||_F by tens of percent, so that range is held in exact arithmetic (above)."""
+    gen = torch.Generator().manual_seed(0)
+    gauss = [torch.randn(*s, generator=gen) for s in [(37, 101), (101, 37), (64, 160), (200, 75), (3, 45, 77),
+                                                        (3, 77, 45)]]
+    return gauss + [_design(s, 1e-2, gen) for s in [(97, 97), (53, 131), (131, 53), (2, 64, 64)]]
+
+
+@pytest.mark.parametrize("schedule, steps, lo, hi, dist", [
+    ("fixed", 5, 0.6818, 1.1344, 0.34),           # measured [0.680, 1.138], ||X - UV^T||_2 <= 0.320
+    ("polar_express", 5, 0.8703, 1.1236, 0.15),   # measured [0.868, 1.125], 0.134
+    ("polar_express", 8, 1.0, 1.0, 0.05),         # measured [0.996, 1.005], 0.031
+    ("polar_express", 12, 1.0, 1.0, 0.05),        # the same
+])
+def test_the_bf16_engine_lands_where_each_schedule_says(schedule, steps, lo, hi, dist):
+    """The engine as the optimizer runs it (bf16) against the exact polar factor U V^T of its bf16 input
+    (float64 SVD): every singular value of the output within the exact-arithmetic band of its schedule
+    over [1e-2, 1] (lo, hi) widened by BF16, and the output within `dist` of U V^T in the spectral norm:
+    the band's deviation from 1, plus the turn bf16 rounding of the iterates (~2^-9 ||X||) gives the
+    singular vectors of the smallest singular values (1e-2 ||G||_F here), a few percent at most."""
+    ns = NewtonSchulz(steps, schedule, graphs=False)
+    seen_lo, seen_hi = math.inf, 0.0
+    for G in _inputs():
+        out = ns(G)
+        assert out.dtype == torch.bfloat16 and out.shape == G.shape
+        U, _, Vh = torch.linalg.svd(G.bfloat16().double(), full_matrices=False)
+        sv = torch.linalg.svdvals(out.double())
+        seen_lo, seen_hi = min(seen_lo, float(sv.min())), max(seen_hi, float(sv.max()))
+        assert float(torch.linalg.matrix_norm(out.double() - U @ Vh, ord=2).max()) < dist
+    assert lo - BF16 < seen_lo and seen_hi < hi + BF16, (seen_lo, seen_hi)
+    if schedule == "fixed":  # the quintic's plateau is reached, not only bounded
+        assert seen_lo < 0.7 and seen_hi > 1.12
+
+
+@pytest.mark.parametrize("shape", [(37, 101), (101, 37), (64, 64), (3, 45, 77), (3, 77, 45)])
+def test_the_fixed_schedule_per_iteration_is_todays_path_bit_for_bit(shape):
+    """Given as one triple per iteration, the fixed schedule is the same computation as before schedules
+    existed (torch.optim.Muon's _zeropower_via_newtonschulz, which the engine matched bitwise): every bit."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    torch.manual_seed(0)
+    G = torch.randn(*shape)
+    G3 = G if G.dim() == 3 else G[None]
+    torch_muon = torch.stack([_zeropower_via_newtonschulz(g, MUON_COEFFICIENTS, 5, 1e-7) for g in G3])
+    per_step = NewtonSchulz(5, [MUON_COEFFICIENTS] * 5, graphs=False)(G3)
+    assert torch.equal(per_step, torch_muon)
+    assert torch.equal(NewtonSchulz(graphs=False)(G3), torch_muon)
+
+
+@pytest.mark.parametrize("shape", [(37, 101), (101, 37), (64, 64)])
+def test_each_iteration_gets_its_own_coefficients_in_order(shape):
+    """The batched engine applies step k's triple at step k: equal (bitwise, on this CPU) to the plain
+    2-D loop with the same schedule, and different from the same triples in reverse order."""
+    torch.manual_seed(0)
+    G = torch.randn(*shape)
+    out = NewtonSchulz(5, "polar_express", graphs=False)(G)
+    assert torch.equal(out, zeropower_reference(G, 5, "polar_express"))
+    steps = list(NS_SCHEDULES["polar_express"].coefficients[:5])
+    forward = NewtonSchulz(5, steps, graphs=False)(G)
+    backward = NewtonSchulz(5, steps[::-1], graphs=False)(G)
+    assert torch.equal(forward, zeropower_reference(G, 5, steps))
+    assert not torch.equal(forward, backward)
+
