@@ -3,39 +3,48 @@
   1 GPU:   PYTHONPATH=. python3 bench/muon.py --out results/bench/muon.csv
   2 GPUs:  PYTHONPATH=. torchrun --standalone --nproc_per_node=2 bench/muon.py --sharded --out results/bench/muon.csv
   CPU:     PYTHONPATH=. python3 bench/muon.py --smoke --out /tmp/muon.csv   (tiny shapes: checks it runs)
+  Coefficient schedules (muon_ns_schedule) at the presets' own shapes, 1 GPU:
+           PYTHONPATH=. python3 bench/muon.py --schedules fixed,polar_express --presets 124m,1b \
+               --out results/bench/muon_schedules.csv
 
 (a) NS5 per call, bf16, on 1024^2, 2048x8192, 8192x2048 (tall: run in its own layout; compare
     with its transpose), 3072^2, 3072x8192: eager cuBLAS vs CUDA-graph replay vs graph +
     Triton SYRK (forced), each as host enqueue time per call (GPU kept busy by a sleep
     kernel, so this is pure Python + launch cost) and GPU time per call (kernels queued
-    back to back behind the same sleep).
+    back to back behind the same sleep). With --presets, the shapes are each preset's body
+    matrices instead, one NS call per shape group with the batch ShardedMuon runs at W = 1
+    (case "<preset> <count>x<rows>x<cols>").
 (b) SYRK vs cuBLAS X @ X^T, X [n, n] bf16, n = 1024..8192, kernel time; the Triton number is
     the best autotuned config (which passed the cuBLAS cross-check).
-(c) The optimizer step on the 1b preset's 96 body matrices (bf16 weights, shapes built from
-    ModelConfig): torch.optim.Muon vs ShardedMuon (eager NS, and graphs + auto SYRK) on 1 GPU,
-    fused torch AdamW for scale; with --sharded, ShardedMuon on every rank of the torchrun
-    (rows appended to the same CSV, with the ratio to the 1-GPU row when present). Step time
-    is wall-clock per step over several synchronized steps, after two warm-up steps (eager,
-    then capture).
+(c) The optimizer step on the 1b preset's 96 body matrices (--presets: each preset's; bf16
+    weights, shapes built from ModelConfig): torch.optim.Muon vs ShardedMuon (eager NS, and
+    graphs + auto SYRK) on 1 GPU, fused torch AdamW for scale; with --sharded, ShardedMuon on
+    every rank of the torchrun (rows appended to the same CSV, with the ratio to the 1-GPU row
+    of the same case and schedule when present). Step time is wall-clock per step over several
+    synchronized steps, after two warm-up steps (eager, then capture).
+Every ShardedMuon / NS row runs once per --schedules entry (newton_schulz.NS_SCHEDULES; default fixed),
+named in the ns_schedule column; torch.optim.Muon's rows are its own fixed coefficients.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import os
 import platform
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from blunb.config import preset
+from blunb.config import PRESETS, preset
 from blunb.optim import ShardedMuon
-from blunb.optim.newton_schulz import NewtonSchulz
+from blunb.optim.newton_schulz import NS_SCHEDULES, NewtonSchulz
 
-COLUMNS = ["section", "case", "shape", "impl", "world", "host_us_per_call", "gpu_ms", "step_ms",
+log = logging.getLogger("bench.muon")
+
+COLUMNS = ["section", "case", "shape", "impl", "ns_schedule", "world", "host_us_per_call", "gpu_ms", "step_ms",
            "speedup_vs_baseline", "note", "device", "torch", "triton", "python"]
 
 
@@ -72,25 +81,40 @@ def host_and_gpu(fn, device, iters: int = 20) -> tuple[float, float]:
     return host * 1e6, start.elapsed_time(end) / iters
 
 
-def bench_ns(rows, device, smoke):
+def ns_cases(smoke, presets):
+    """(case, batch, rows, cols) per NS call: the fixed list, or each preset's body grouped by shape."""
+    if presets:
+        cases = []
+        for name in presets:
+            counts: dict[tuple[int, int], int] = {}
+            for shape in body_shapes(name):
+                counts[shape] = counts.get(shape, 0) + 1
+            cases += [(f"{name} {b}x{m}x{n}", b, m, n) for (m, n), b in counts.items()]
+        return cases
     shapes = [(64, 64), (32, 128), (128, 32)] if smoke else \
         [(1024, 1024), (2048, 8192), (8192, 2048), (3072, 3072), (3072, 8192)]
+    return [(f"{m}x{n}", 1, m, n) for m, n in shapes]
+
+
+def bench_ns(rows, device, smoke, presets, schedules, steps):
     impls = [("eager", dict(graphs=False, syrk=False))]
     if device.type == "cuda":
         impls += [("graph", dict(graphs=True, syrk=False)), ("graph+syrk", dict(graphs=True, syrk=True))]
-    for m, n in shapes:
-        base = None
-        for impl, kw in impls:
-            ns = NewtonSchulz(**kw)
-            stage = ns.stage(1, m, n, device)
-            stage.copy_(torch.randn(1, m, n, device=device))
-            for _ in range(3):  # eager/autotune, capture, replay
-                ns.run(stage)
-            host, gpu = host_and_gpu(lambda ns=ns, stage=stage: ns.run(stage), device)
-            base = base or gpu
-            rows.append(dict(section="ns5", case=f"{m}x{n}", shape=f"1x{m}x{n}", impl=impl, host_us_per_call=host,
-                             gpu_ms=gpu, speedup_vs_baseline=base / gpu, note="baseline: eager cuBLAS"))
-            print(f"NS5 {m}x{n} {impl:11s} host {host:8.1f} us  gpu {gpu:7.3f} ms", flush=True)
+    for case, b, m, n in ns_cases(smoke, presets):
+        base = None  # the first schedule's eager call, so schedules compare within a shape
+        for schedule in schedules:
+            for impl, kw in impls:
+                ns = NewtonSchulz(steps, schedule, **kw)
+                stage = ns.stage(b, m, n, device)
+                stage.copy_(torch.randn(b, m, n, device=device))
+                for _ in range(3):  # eager/autotune, capture, replay
+                    ns.run(stage)
+                host, gpu = host_and_gpu(lambda ns=ns, stage=stage: ns.run(stage), device)
+                base = base or gpu
+                rows.append(dict(section=f"ns{steps}", case=case, shape=f"{b}x{m}x{n}", impl=impl,
+                                 ns_schedule=schedule, host_us_per_call=host, gpu_ms=gpu,
+                                 speedup_vs_baseline=base / gpu, note=f"baseline: eager cuBLAS, {schedules[0]}"))
+                log.info("NS%d %s %s %-11s host %8.1f us  gpu %7.3f ms", steps, case, schedule, impl, host, gpu)
 
 
 def bench_syrk(rows, device, smoke):
@@ -112,11 +136,11 @@ def bench_syrk(rows, device, smoke):
             rows.append(dict(section="syrk", case=f"n={n}", shape=f"{n}x{n}", impl=impl, gpu_ms=ms,
                              speedup_vs_baseline=cublas / ms,
                              note=f"{note}; {flop / ms / 1e9:.0f} TFLOP/s-equivalent (full GEMM flops)"))
-        print(f"SYRK n={n}: cuBLAS {cublas:.4f} ms, Triton {tri:.4f} ms -> x{cublas / tri:.2f} ({note})", flush=True)
+        log.info("SYRK n=%d: cuBLAS %.4f ms, Triton %.4f ms -> x%.2f (%s)", n, cublas, tri, cublas / tri, note)
 
 
-def body_shapes(smoke):
-    m = preset("tiny" if smoke else "1b").model
+def body_shapes(name):
+    m = preset(name).model
     d, q, kv, F = m.d_model, m.q_heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_hidden
     per_layer = [(q, d), (kv, d), (kv, d), (d, q), (2 * F, d), (d, F)]  # wq wk wv wo gate_up down
     return per_layer * m.n_layers
@@ -151,44 +175,45 @@ def step_ms(make, device, shapes, steps):
 DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
-def bench_step(rows, device, smoke, world):
-    shapes = body_shapes(smoke)
+def bench_step(rows, device, name, world, schedules, ns_steps):
+    shapes = body_shapes(name)
     n = sum(a * b for a, b in shapes)
-    case, steps = f"{'tiny' if smoke else '1b'} body: {len(shapes)} matrices, {n / 1e6:.0f}M params", 2 if smoke else 5
-    kw = dict(lr=8e-4, weight_decay=0.1, verbose=False)
-    impls = []
+    case, steps = f"{name} body: {len(shapes)} matrices, {n / 1e6:.0f}M params", 2 if name == "tiny" else 5
+    impls = []  # (impl, ns_schedule, make)
+    for sched in schedules:
+        kw = dict(lr=8e-4, weight_decay=0.1, ns_steps=ns_steps, ns_coefficients=sched, verbose=False)
+        if world == 1:
+            impls += [("ShardedMuon eager NS", sched, lambda ps, kw=kw: ShardedMuon(ps, ns_graphs=False, ns_syrk=False,
+                                                                                   **kw)),
+                      ("ShardedMuon graphs+syrk(auto)", sched, lambda ps, kw=kw: ShardedMuon(ps, **kw))]
+        else:
+            impls += [(f"ShardedMuon {coll} x{world}", sched,
+                       lambda ps, kw=kw, coll=coll: ShardedMuon(ps, collective=coll, **kw))
+                      for coll in ("rs_ag", "reduce_bcast")]
     if world == 1:
-        impls += [("torch.optim.Muon", lambda ps: torch.optim.Muon(ps, lr=8e-4, weight_decay=0.1,
-                                                                    adjust_lr_fn="match_rms_adamw")),
-                  ("ShardedMuon eager NS", lambda ps: ShardedMuon(ps, ns_graphs=False, ns_syrk=False, **kw)),
-                  ("ShardedMuon graphs+syrk(auto)", lambda ps: ShardedMuon(ps, **kw))]
+        impls.insert(0, ("torch.optim.Muon", "fixed", lambda ps: torch.optim.Muon(
+            ps, lr=8e-4, weight_decay=0.1, ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw")))
         if device.type == "cuda":
-            impls.append(("torch.optim.AdamW fused (scale)",
-                          lambda ps: torch.optim.AdamW(ps, lr=8e-4, fused=True)))
-    else:
-        impls += [(f"ShardedMuon rs_ag x{world}", lambda ps: ShardedMuon(ps, collective="rs_ag", **kw)),
-                  (f"ShardedMuon reduce_bcast x{world}", lambda ps: ShardedMuon(ps, collective="reduce_bcast", **kw))]
+            impls.append(("torch.optim.AdamW fused (scale)", "", lambda ps: torch.optim.AdamW(ps, lr=8e-4, fused=True)))
     base = None
-    for impl, make in impls:
+    for impl, sched, make in impls:
         ms = step_ms(make, device, shapes, steps)
         base = base or ms
-        rows.append(dict(section="step", case=case, shape="1b body" if not smoke else "tiny body", impl=impl,
+        rows.append(dict(section="step", case=case, shape=f"{name} body", impl=impl, ns_schedule=sched,
                          world=world, step_ms=ms, speedup_vs_baseline=base / ms,
                          note="baseline: " + impls[0][0]))
         if (not dist.is_initialized()) or dist.get_rank() == 0:
-            print(f"step {impl:34s} {ms:8.2f} ms  (x{base / ms:.2f})", flush=True)
+            log.info("step %s %-34s %-13s %8.2f ms  (x%.2f)", name, impl, sched, ms, base / ms)
 
 
-def one_gpu_reference(path):
-    """The 1-GPU graphs+syrk step time from an existing CSV, for the sharded ratio."""
+def one_gpu_reference(path) -> dict[tuple[str, str], float]:
+    """The 1-GPU graphs+syrk step times in an existing CSV by (case, ns_schedule), for the sharded ratio."""
     try:
         with open(path) as f:
-            for r in csv.DictReader(f):
-                if r["section"] == "step" and r["impl"] == "ShardedMuon graphs+syrk(auto)":
-                    return float(r["step_ms"])
+            return {(r["case"], r["ns_schedule"]): float(r["step_ms"]) for r in csv.DictReader(f)
+                    if r["section"] == "step" and r["impl"] == "ShardedMuon graphs+syrk(auto)"}
     except (OSError, KeyError, ValueError):
-        pass
-    return None
+        return {}
 
 
 def main():
@@ -196,7 +221,20 @@ def main():
     ap.add_argument("--out", default="results/bench/muon.csv")
     ap.add_argument("--sharded", action="store_true", help="under torchrun: the sharded optimizer step only")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (or GPU): checks the script runs")
+    ap.add_argument("--schedules", default="fixed",
+                    help=f"comma-separated Newton-Schulz coefficient schedules, of {', '.join(NS_SCHEDULES)}")
+    ap.add_argument("--presets", default="",
+                    help="comma-separated presets whose body shapes the NS and step sections use "
+                         "(default: the fixed NS shapes and the 1b body; tiny under --smoke)")
+    ap.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (muon_ns_steps)")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    schedules = [s for s in args.schedules.split(",") if s]
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [s for s in schedules if s not in NS_SCHEDULES] + [p for p in presets if p not in PRESETS]
+    if unknown or not schedules or args.ns_steps < 1:
+        ap.error(f"--schedules takes {', '.join(NS_SCHEDULES)}; --presets {', '.join(PRESETS)}; --ns-steps >= 1 "
+                 f"(got unknown {unknown or 'none'}, {len(schedules)} schedules, --ns-steps {args.ns_steps})")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     world, rank = 1, 0
@@ -212,28 +250,38 @@ def main():
 
     rows: list[dict] = []
     t0 = time.time()
+    step_presets = presets or ["tiny" if args.smoke else "1b"]
     if args.sharded:
-        bench_step(rows, device, args.smoke, world)
-        ref = one_gpu_reference(args.out)
-        if ref is not None:
-            for r in rows:
+        for name in step_presets:
+            bench_step(rows, device, name, world, schedules, args.ns_steps)
+        refs = one_gpu_reference(args.out)
+        for r in rows:
+            ref = refs.get((r["case"], r["ns_schedule"]))
+            if ref is not None:
                 r["note"] += f"; ratio to the 1-GPU graphs+syrk step ({ref:.2f} ms): {r['step_ms'] / ref:.3f}"
     else:
-        bench_ns(rows, device, args.smoke)
+        bench_ns(rows, device, args.smoke, presets, schedules, args.ns_steps)
         bench_syrk(rows, device, args.smoke)
-        bench_step(rows, device, args.smoke, 1)
+        for name in step_presets:
+            bench_step(rows, device, name, 1, schedules, args.ns_steps)
 
     if rank == 0:
         env = _env(device)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         append = args.sharded and os.path.exists(args.out)
+        if append:
+            with open(args.out, newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != COLUMNS:
+                raise SystemExit(f"{args.out} has other columns ({', '.join(header)}): written by an older "
+                                 "bench/muon.py; run the 1-GPU bench into it again first, or give another --out")
         with open(args.out, "a" if append else "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             if not append:
                 w.writeheader()
             for r in rows:
                 w.writerow({"world": world, **env, **r})
-        print(f"wrote {len(rows)} rows to {args.out} in {time.time() - t0:.0f} s", file=sys.stderr)
+        log.info("wrote %d rows to %s in %.0f s", len(rows), args.out, time.time() - t0)
     if dist.is_initialized():
         dist.destroy_process_group()
 
