@@ -61,9 +61,10 @@ ALL_BF16 = "all_bf16"
 DATA_ORDERS = ("windows", "shards")
 # The fields seed stands in for when they are None.
 OPTIONAL_SEEDS = ("data_seed", "init_seed")
-# What a config.json without a field was run with, where that is not today's default: such a run
-# must not pass for one of today's (TrainConfig.from_dict, the study cache). "model" holds ModelConfig's.
-PREDATED = {"data_order": "shards", "compile": False, "model": {"chunked_ce": False}}
+# What a config.json without a field was run with, where that is not today's default or may stop being it: such
+# a run must not pass for one of today's (TrainConfig.from_dict, the study cache). "model" holds ModelConfig's.
+# muon_ns_schedule: every run before the field ran the fixed coefficients, whatever the default becomes.
+PREDATED = {"data_order": "shards", "compile": False, "muon_ns_schedule": "fixed", "model": {"chunked_ce": False}}
 
 
 def _merged(under: dict, over: dict) -> dict:
@@ -171,6 +172,10 @@ class TrainConfig:
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
     muon_ns_steps: int = 5
+    # Newton-Schulz coefficients per iteration (blunb.optim.newton_schulz.NS_SCHEDULES): "fixed" (torch.optim.Muon's
+    # one quintic at every step) or "polar_express" (Amsel et al. 2025: each step's own minimax quintic, bf16 safety
+    # factor; past its 8 published steps the last one repeats, the paper's rule). muon_ns_steps counts either.
+    muon_ns_schedule: str = "fixed"
     muon_adjust_lr: str = "match_rms_adamw"  # or "original"
     # ZeRO-1 switches (the seed's A/B flags)
     collective: str = "rs_ag"       # AdamW groups: "rs_ag" | "reduce_bcast"
@@ -240,10 +245,11 @@ class TrainConfig:
         from blunb.optim.build import OPTIMIZERS
         from blunb.optim.layout import COLLECTIVES, REDUCE_DTYPES
         from blunb.optim.muon import ADJUST_LR
+        from blunb.optim.newton_schulz import NS_SCHEDULES
 
         choices = {"optimizer": tuple(OPTIMIZERS), "collective": COLLECTIVES,
                    "muon_collective": COLLECTIVES, "reduce_dtype": tuple(REDUCE_DTYPES), "muon_adjust_lr": ADJUST_LR,
-                   "nan_policy": ("step", "group")}
+                   "muon_ns_schedule": tuple(NS_SCHEDULES), "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -293,6 +299,8 @@ class TrainConfig:
             raise ConfigError(f"data_order must be one of {DATA_ORDERS}, got {self.data_order!r}")
         if self.muon_buckets < 1:
             raise ConfigError(f"muon_buckets must be >= 1, got {self.muon_buckets}")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"muon_ns_steps must be >= 1 (Newton-Schulz iterations), got {self.muon_ns_steps}")
         spec = OPTIMIZERS[self.optimizer]
         if not spec.zero_switches:
             # e.g. torch AdamW never reads them: an A/B run with one set would silently measure nothing.

@@ -67,8 +67,9 @@ def start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]
     if "muon" in o:
         m = o["muon"]
         lines.append(f"  muon: {m['matrices']} matrices, lr {m['lr_max']:g} -> {m['lr_min']:g}, momentum "
-                     f"{m['momentum']}, nesterov {m['nesterov']}, NS{m['ns_steps']}, adjust_lr {m['adjust_lr']}, "
-                     f"wd {m['weight_decay']:g}, collective buckets {m['comm_buffer_bytes'] / 2**20:.1f} MiB")
+                     f"{m['momentum']}, nesterov {m['nesterov']}, NS{m['ns_steps']} {m['ns_schedule']}, "
+                     f"adjust_lr {m['adjust_lr']}, wd {m['weight_decay']:g}, collective buckets "
+                     f"{m['comm_buffer_bytes'] / 2**20:.1f} MiB")
     if "refresh_stages" in facts:
         st = facts["refresh_stages"]
         lines.append(f"  refresh stages: {len(st)} (" + ", ".join(f"{s['module']} {s['numel']:,}" for s in st[:3])

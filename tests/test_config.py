@@ -146,6 +146,8 @@ def test_non_finite_floats_are_rejected_by_name(name, value):
     (["min_lr=1e-2"], "min_lr <= max_lr"),
     (["muon_buckets=0"], "muon_buckets must be >= 1"),
     (["muon_collective=allreduce"], "muon_collective must be one of"),
+    (["muon_ns_schedule=polar"], r"muon_ns_schedule must be one of \('fixed', 'polar_express'\), got 'polar'"),
+    (["muon_ns_steps=0"], "muon_ns_steps must be >= 1"),
     (["nan_policy=ignore"], "nan_policy must be one of"),
     (["collective_timeout_s=0"], "collective_timeout_s must be positive"),
     (["val_tokens=-1"], "val_tokens must be >= 0"),
@@ -261,3 +263,24 @@ def test_a_config_json_from_before_compile_and_the_chunked_loss_reads_as_run_wit
     del old["compile"], old["model"]["chunked_ce"]
     cfg = TrainConfig.from_dict(old)
     assert cfg.compile is False and cfg.model.chunked_ce is False
+
+
+def test_the_ns_schedule_defaults_to_fixed_and_a_config_json_from_before_it_reads_as_fixed(tmp_path):
+    """muon_ns_schedule: fixed unless set (the default computes what runs computed before the field), an
+    old config.json reads as fixed (config.PREDATED: what those runs ran, whatever the default becomes),
+    and an unknown name stops the trainer before any work, the run folder not created."""
+    from blunb.config import PREDATED, predated_defaults
+    from blunb.train import train
+
+    assert preset("tiny").muon_ns_schedule == "fixed" and PREDATED["muon_ns_schedule"] == "fixed"
+    assert predated_defaults()["muon_ns_schedule"] == "fixed"
+    old = json.loads(preset("tiny").to_json())
+    del old["muon_ns_schedule"]
+    assert TrainConfig.from_dict(old).muon_ns_schedule == "fixed"
+    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_schedule=polar_express", "muon_ns_steps=8"])
+    cfg.validate()
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())).muon_ns_schedule == "polar_express"
+    cfg.muon_ns_schedule = "polar-express"
+    with pytest.raises(ConfigError, match="muon_ns_schedule must be one of .*'fixed', 'polar_express'"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

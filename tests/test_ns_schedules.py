@@ -1,14 +1,18 @@
-"""Newton-Schulz coefficient schedules: fixed (torch.optim.Muon's quintic) and polar_express
-(Amsel et al. 2025), against the exact polar factor and their designs."""
+"""Newton-Schulz coefficient schedules (muon_ns_schedule): fixed (torch.optim.Muon's quintic) and
+polar_express (Amsel et al. 2025), against the exact polar factor, their designs, and the trainer."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
+from blunb.config import apply_overrides, preset
+from blunb.optim import muon as muon_mod
 from blunb.optim.newton_schulz import (
     MUON_COEFFICIENTS,
     NS_SCHEDULES,
@@ -166,3 +170,48 @@ def test_each_iteration_gets_its_own_coefficients_in_order(shape):
     assert torch.equal(forward, zeropower_reference(G, 5, steps))
     assert not torch.equal(forward, backward)
 
+
+def test_a_muon_run_trains_with_polar_express_and_records_it(tmp_path, monkeypatch):
+    """A few real steps of the tiny preset through blunb.train: the optimizer's engine has the schedule's
+    coefficients, and config.json, env.json and the start-of-run line say which schedule ran."""
+    engines = []
+    real = muon_mod.NewtonSchulz
+
+    def spy(*args, **kwargs):
+        engines.append(real(*args, **kwargs))
+        return engines[-1]
+    monkeypatch.setattr(muon_mod, "NewtonSchulz", spy)
+    from blunb.train import train
+
+    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_schedule=polar_express"])
+    cfg.rescale_schedule(4)
+    run_dir = train(cfg, tmp_path / "pe")
+    (ns,) = engines
+    assert ns.schedule == "polar_express" and ns.safety == 1.01
+    assert ns.coefficients == tuple(NS_SCHEDULES["polar_express"].coefficients[:5])
+    assert json.loads((run_dir / "config.json").read_text())["muon_ns_schedule"] == "polar_express"
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["training"]["optimizer"]["muon"]["ns_schedule"] == "polar_express"
+    assert "NS5 polar_express" in (run_dir / "log.txt").read_text()
+    m = pd.read_csv(run_dir / "metrics.csv")
+    assert list(m["step"]) == [0, 1, 2, 3] and m["train_loss"].map(math.isfinite).all()
+    assert (m["ns_rejected"] == 0).all() and m["nsratio"].between(0.5, 1.5).all()   # healthy updates
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+
+
+def test_the_study_cache_reads_a_run_from_before_the_setting_as_fixed(tmp_path):
+    """A completed run folder whose config.json predates muon_ns_schedule ran the fixed coefficients:
+    the study cache takes it for a fixed arm and re-runs it for a polar_express arm."""
+    from blunb.runs import write_status
+    from blunb.study import Study
+
+    arms = {"fixed": ["optimizer=muon"], "pe": ["optimizer=muon", "muon_ns_schedule=polar_express"]}
+    for plan in Study("s", arms, seeds=[0], steps=4, root=tmp_path)._plan():
+        old = json.loads(json.dumps(plan.config))
+        del old["muon_ns_schedule"]
+        plan.run_dir.mkdir(parents=True)
+        (plan.run_dir / "config.json").write_text(json.dumps(old))
+        (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+        write_status(plan.run_dir, "completed", 4, 4)
+    actions = {p.arm: p.action for p in Study("s", arms, seeds=[0], steps=4, root=tmp_path)._plan()}
+    assert actions == {"fixed": "cached", "pe": "overwrite"}

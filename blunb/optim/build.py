@@ -154,6 +154,7 @@ class ZeroOptimizers:
             muon_group = muon_param_groups(model)[0]["params"]
             self.muon = ShardedMuon([{"params": muon_group, "use_muon": True}], lr=cfg.muon_lr,
                                     momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
+                                    ns_coefficients=cfg.muon_ns_schedule,
                                     weight_decay=cfg.muon_weight_decay, adjust_lr=cfg.muon_adjust_lr,
                                     collective=cfg.muon_collective, target_buckets=cfg.muon_buckets,
                                     reduce_dtype=cfg.reduce_dtype, overlap_backward=cfg.overlap_backward,
@@ -196,7 +197,8 @@ class ZeroOptimizers:
         }
         if self.muon is not None:
             facts["muon"] = {"lr_max": c.muon_lr, "lr_min": c.muon_min_lr, "momentum": c.muon_momentum,
-                             "nesterov": True, "ns_steps": c.muon_ns_steps, "weight_decay": c.muon_weight_decay,
+                             "nesterov": True, "ns_steps": c.muon_ns_steps, "ns_schedule": c.muon_ns_schedule,
+                             "weight_decay": c.muon_weight_decay,
                              "adjust_lr": c.muon_adjust_lr, "matrices": self.muon.num_matrices(),
                              "comm_buffer_bytes": self.muon.comm_buffer_bytes()}
         return facts
