@@ -105,6 +105,48 @@ def _cpu_name() -> str | None:
     return platform.processor() or platform.machine() or None
 
 
+GPU_SHARE_ENV = "BLUNB_RUNS_PER_GPU"  # set by blunb.study per launch: the most runs its GPUs take at once
+
+
+def gpu_sharing(device, environ=None) -> dict:
+    """env.json's `gpu_sharing`: {"shared": bool | None, "runs_per_gpu": int | None}.
+
+    On a GPU the study runner says, through BLUNB_RUNS_PER_GPU, how many runs (this one included) it
+    lets use the run's GPUs at once: shared is runs_per_gpu > 1 (an upper bound, not a measured overlap).
+    Launched any other way (unset or empty) on a GPU the run cannot know: both None. On the CPU no GPU
+    is shared: False. A value that is not an integer >= 1 is a ConfigError, before any work."""
+    import torch
+
+    raw = (os.environ if environ is None else environ).get(GPU_SHARE_ENV, "")
+    runs = None
+    if raw.strip():  # unset or empty: not told
+        runs = int(raw) if raw.strip().isdigit() else 0
+        if runs < 1:
+            raise ConfigError(f"{GPU_SHARE_ENV} must be an integer >= 1 (the runs that share this run's GPUs), "
+                              f"got {raw!r}")
+    if torch.device(device).type != "cuda":
+        return {"shared": False, "runs_per_gpu": None}
+    return {"shared": None if runs is None else runs > 1, "runs_per_gpu": runs}
+
+
+def gpu_shared(env: dict) -> bool | None:
+    """Whether a run shared its GPU with other runs, from its env.json: False (alone on its GPUs, or on
+    the CPU), True, or None (unknown: no record, as in runs made before blunb kept one, or a GPU run
+    launched outside blunb.study). A resumed run's steps come from every launch of its chain
+    (env["resumed"]["earlier_env"]): one shared launch makes it shared, else one unknown unknown."""
+    launches, e = [], env
+    while e is not None:
+        record = e.get("gpu_sharing", {})
+        shared = record.get("shared") if isinstance(record, dict) else record
+        if not (shared is None or isinstance(shared, bool)) or not isinstance(record, dict):
+            raise ValueError(f"env.json's gpu_sharing must be {{'shared': true | false | null, ...}}, got {record!r}")
+        launches.append(shared)
+        e = (e.get("resumed") or {}).get("earlier_env")
+    if True in launches:
+        return True
+    return None if None in launches else False
+
+
 def environment(world_size: int, device, shards: list[Path] | None = None) -> dict:
     """What env.json records. With `shards`, also each shard's name, size and sha256 (cached per file)."""
     import numpy as np
@@ -139,6 +181,7 @@ def environment(world_size: int, device, shards: list[Path] | None = None) -> di
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "numpy": np.__version__,
         "pandas": pd.__version__,
+        "gpu_sharing": gpu_sharing(dev),
     }
     if shards is not None:
         from blunb.data import shard_manifest

@@ -40,6 +40,7 @@ from blunb.cli import prog_name
 from blunb.config import AUTO_SWITCHES, ConfigError, predated_defaults
 from blunb.launch import check_train_args, parse_failure, torchrun_command
 from blunb.runs import (
+    GPU_SHARE_ENV,
     FolderLock,
     git_state,
     load_run,
@@ -115,7 +116,8 @@ class Study:
     run. common: overrides every arm gets before its own. root: the folder studies go in (default
     results_root()); the study's own folder is root/name. max_parallel: runs at a time (default: see
     the module docstring).
-    runs_per_gpu: runs sharing one group of nproc GPUs (ignored on the CPU). env: extra environment
+    runs_per_gpu: runs sharing one group of nproc GPUs (ignored on the CPU; each run's env.json records
+    how many shared its group: gpu_sharing, blunb.runs.gpu_shared). env: extra environment
     for every run. allow_failures: warn instead of raising StudyError. progress: the tqdm bar / log lines.
     render_only: train nothing; raise StudyError naming every run that is not cached (e.g. to render
     GPU results on a laptop without ever starting a 124m run there by accident).
@@ -333,15 +335,19 @@ class _LocalLauncher:
 
     def slots(self, runs: int) -> list[str | None]:
         s = self.study
-        slots = _slots(_visible_gpus(self.env), s.nproc, s.runs_per_gpu, s.max_parallel, _cores())
+        # No more slots than runs: a GPU that fewer runs than runs_per_gpu will use is not recorded as shared.
+        slots = _slots(_visible_gpus(self.env), s.nproc, s.runs_per_gpu, s.max_parallel, _cores())[:runs]
+        self.sharing = {slot: slots.count(slot) for slot in slots if slot is not None}
         # The CPU's cores shared among the runs at once (launch's own default assumes one run).
-        self.env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // (min(len(slots), runs) * s.nproc))))
+        self.env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // (len(slots) * s.nproc))))
         return slots
 
     def start(self, plan: _Planned, cmd: list[str], slot: str | None) -> _Active:
         run_env = command_env(self.env, str(repo_root()))
+        run_env.pop(GPU_SHARE_ENV, None)  # only this launch's own count is recorded (none on the CPU)
         if slot is not None:
             run_env["CUDA_VISIBLE_DEVICES"] = slot
+            run_env[GPU_SHARE_ENV] = str(self.sharing[slot])  # env.json's gpu_sharing (blunb.runs.gpu_sharing)
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         started = time.time()
         console = open(plan.run_dir / "console.txt", "w")

@@ -66,6 +66,7 @@ from blunb.runs import (
     MetricsWriter,
     RunWriteError,
     environment,
+    gpu_sharing,
     process_age_s,
     process_info,
     set_aside_rows_from,
@@ -612,6 +613,7 @@ def _preflight(cfg: TrainConfig, run_dir: Path, overwrite: bool, world_size: int
     cfg.validate(world_size)
     check_run_dir(run_dir, overwrite)
     device = _pick_device(cfg, local_rank)
+    gpu_sharing(device)  # a bad BLUNB_RUNS_PER_GPU stops here; env.json records it once the run is built
     if cfg.kernels != "auto":
         os.environ["BLUNB_KERNELS"] = cfg.kernels
     if "triton" in kernels.parse_backends(cfg.kernels).values() and device.type == "cpu" \

@@ -33,3 +33,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fake_gpu_runs(monkeypatch):
+    """The study runner sees one GPU ("0"), and each run it launches is a stand-in that completes at once:
+    it leaves what the cache reads (config.json, env.json with the gpu_sharing a GPU run would record from
+    the environment it was given, a completed status.json). Returns the launches, in order: (run name,
+    BLUNB_RUNS_PER_GPU, CUDA_VISIBLE_DEVICES) as each run's environment had them."""
+    import json
+    from pathlib import Path
+
+    import blunb.data
+    import blunb.study
+    from blunb.runs import GPU_SHARE_ENV, gpu_sharing, write_status
+    from blunb.train import parse_args
+
+    launches = []
+
+    class Done:
+        pid, returncode = 0, 0
+
+        def poll(self):
+            return 0
+
+    def start(cmd, console, env):
+        args = [a for a in cmd[cmd.index("blunb.train") + 1:] if a != "--overwrite"]
+        cfg, parsed = parse_args(args)
+        run_dir = Path(parsed.run_dir)
+        (run_dir / "config.json").write_text(cfg.to_json())
+        (run_dir / "env.json").write_text(json.dumps({"world_size": 1, "gpu_sharing": gpu_sharing("cuda:0", env)}))
+        write_status(run_dir, "completed", cfg.max_steps, cfg.max_steps)
+        launches.append((run_dir.name, env.get(GPU_SHARE_ENV), env.get("CUDA_VISIBLE_DEVICES")))
+        return Done()
+
+    monkeypatch.setattr(blunb.study, "_visible_gpus", lambda env: ["0"])
+    monkeypatch.setattr(blunb.study, "start_process", start)
+    monkeypatch.setattr(blunb.data, "ensure_default_corpus", lambda **kwargs: None)
+    return launches

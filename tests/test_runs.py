@@ -6,12 +6,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from blunb.config import ConfigError, preset
 from blunb.data import write_shard
 from blunb.runs import (
+    GPU_SHARE_ENV,
     MetricsWriter,
     Run,
     environment,
     git_state,
+    gpu_shared,
+    gpu_sharing,
     load_run,
     load_study,
     read_status,
@@ -116,7 +120,57 @@ def test_environment_records_threads_versions_and_shards(tmp_path):
     assert env["torch_threads"] >= 1 and env["numpy"] == np.__version__ and env["pandas"] == pd.__version__
     assert [s["name"] for s in env["shards"]] == ["train_000000.bin"] and len(env["shards"][0]["sha256"]) == 64
     assert "shards" not in environment(1, "cpu")
+    assert env["gpu_sharing"] == {"shared": False, "runs_per_gpu": None}  # the CPU shares no GPU
     json.dumps(env)
+
+
+@pytest.mark.parametrize("device, given, record", [
+    ("cuda:0", "1", {"shared": False, "runs_per_gpu": 1}),
+    ("cuda:0", "2", {"shared": True, "runs_per_gpu": 2}),
+    ("cuda", None, {"shared": None, "runs_per_gpu": None}),     # not launched by blunb.study: unknown
+    ("cuda", "", {"shared": None, "runs_per_gpu": None}),
+    ("cpu", "2", {"shared": False, "runs_per_gpu": None}),      # a CPU run shares no GPU, whatever it was told
+    ("cpu", None, {"shared": False, "runs_per_gpu": None}),
+])
+def test_gpu_sharing_records_what_the_study_runner_said(device, given, record):
+    environ = {} if given is None else {GPU_SHARE_ENV: given}
+    assert gpu_sharing(device, environ) == record
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5", " 2x"])
+def test_a_bad_runs_per_gpu_is_a_config_error_naming_it(bad):
+    with pytest.raises(ConfigError, match=f"{GPU_SHARE_ENV} must be an integer >= 1"):
+        gpu_sharing("cuda:0", {GPU_SHARE_ENV: bad})
+
+
+def test_the_trainer_refuses_a_bad_runs_per_gpu_before_the_run_folder(tmp_path, monkeypatch):
+    from blunb.train import train
+
+    monkeypatch.setenv(GPU_SHARE_ENV, "two")
+    with pytest.raises(ConfigError, match=GPU_SHARE_ENV):
+        train(preset("tiny"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def _env(shared, earlier=None):
+    env = {"world_size": 1} if shared == "no record" else {"gpu_sharing": {"shared": shared}}
+    if earlier is not None:
+        env["resumed"] = {"step": 2, "earlier_env": earlier}
+    return env
+
+
+def test_gpu_shared_reads_the_record_and_an_old_run_as_unknown():
+    assert gpu_shared(_env(False)) is False
+    assert gpu_shared(_env(True)) is True
+    assert gpu_shared(_env(None)) is None
+    assert gpu_shared(_env("no record")) is None  # a run made before the record: unknown, never solo
+    # a resumed run's steps come from every launch of its chain
+    assert gpu_shared(_env(False, _env(False, _env(False)))) is False
+    assert gpu_shared(_env(False, _env("no record"))) is None
+    assert gpu_shared(_env(False, _env(None, _env(True)))) is True
+    for bad in ({"gpu_sharing": "alone"}, {"gpu_sharing": {"shared": "no"}}, {"gpu_sharing": {"shared": 0}}):
+        with pytest.raises(ValueError, match="gpu_sharing must be"):
+            gpu_shared(bad)
 
 
 def test_summarize_reports_steady_aggregates_not_medians(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 import blunb.study
 from blunb.config import ConfigError
-from blunb.runs import write_status
+from blunb.runs import GPU_SHARE_ENV, gpu_shared, write_status
 from blunb.study import (
     LONG_COLUMNS,
     SUMMARY_COLUMNS,
@@ -183,6 +183,24 @@ def test_slots_cut_gpus_into_groups_of_nproc():
         _slots(["7"], 2, 1, None, 64)
 
 
+def test_each_gpu_launch_says_how_many_runs_share_its_gpu(tmp_path, fake_gpu_runs, monkeypatch):
+    monkeypatch.setenv(GPU_SHARE_ENV, "1")  # inherited: never passed on as this study's count
+    three = {"a": [], "b": ["max_lr=1e-3"], "c": ["max_lr=2e-3"]}
+    Study("shared", three, seeds=[0], steps=4, root=tmp_path, runs_per_gpu=2, progress=False).run()
+    assert fake_gpu_runs == [("a-s0", "2", "0"), ("b-s0", "2", "0"), ("c-s0", "2", "0")]
+    assert gpu_shared(json.loads((tmp_path / "shared" / "c-s0" / "env.json").read_text())) is True
+    fake_gpu_runs.clear()
+    # Fewer runs to train than runs_per_gpu allows, or max_parallel 1: each run has the GPU to itself.
+    Study("one", {"a": []}, seeds=[0], steps=4, root=tmp_path, runs_per_gpu=2, progress=False).run()
+    Study("capped", three, seeds=[0], steps=4, root=tmp_path, runs_per_gpu=2, max_parallel=1, progress=False).run()
+    assert fake_gpu_runs == [("a-s0", "1", "0"), ("a-s0", "1", "0"), ("b-s0", "1", "0"), ("c-s0", "1", "0")]
+    assert gpu_shared(json.loads((tmp_path / "capped" / "c-s0" / "env.json").read_text())) is False
+    fake_gpu_runs.clear()
+    monkeypatch.setattr(blunb.study, "_visible_gpus", lambda env: [])  # the CPU: no GPU slots, no count
+    Study("cpu", {"a": []}, seeds=[0], steps=4, root=tmp_path, runs_per_gpu=2, progress=False).run()
+    assert fake_gpu_runs == [("a-s0", None, None)]
+
+
 # ---------------------------------------------------------------- real runs
 
 def _metrics(run_dir):
@@ -211,6 +229,9 @@ def test_parallel_runs_then_cache_resume_and_overwrite(tmp_path, caplog, monkeyp
     on_disk = pd.read_csv(folder / "summary.csv")
     pd.testing.assert_frame_equal(on_disk[["arm", "seed", "status", "final_val_loss", "best_val_loss"]],
                                   summary[["arm", "seed", "status", "final_val_loss", "best_val_loss"]])
+    for arm in arms:  # a CPU run records that it shared no GPU: its timings are its own as far as GPUs go
+        env = json.loads((folder / f"{arm}-s0" / "env.json").read_text())
+        assert env["gpu_sharing"] == {"shared": False, "runs_per_gpu": None} and gpu_shared(env) is False
     configs = {a: json.loads((folder / f"{a}-s0" / "config.json").read_text()) for a in arms}
     assert configs["base"]["seed"] == 0 and configs["lowlr"]["max_lr"] == 1e-3 and configs["base"]["max_lr"] == 3e-3
 
