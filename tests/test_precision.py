@@ -6,13 +6,16 @@ import logging
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from blunb.config import BF16_STAGES, ConfigError, apply_overrides, preset
 from blunb.model import BLU
 from blunb.optim.build import NoMasterAdamW, build_optimizers
+from blunb.runs import gpu_shared
 from blunb.studies.precision import (
+    arm_costs,
     bf16_ulp,
     decay_moved_fraction,
     decay_only,
@@ -20,7 +23,10 @@ from blunb.studies.precision import (
     loss_dtype_sweep,
     loss_readings,
     representable_in_bf16,
+    solo_first,
+    solo_runs,
 )
+from blunb.study import Study
 
 
 @pytest.fixture(autouse=True)
@@ -184,3 +190,64 @@ def test_logits_memory_is_the_seeds_formula():
     assert logits_memory(tiny).fp32_bytes == 2 * tiny.B * tiny.T * tiny.model.vocab_size * 4
     assert math.isclose(logits_memory(apply_overrides(preset("tiny"), ["B=4"])).saved_bytes * 2,
                         logits_memory(tiny).saved_bytes)
+
+
+# ---------------------------------------------------------------- time figures from runs alone on their GPU
+
+def _summary(rows):
+    return pd.DataFrame(rows, columns=["arm", "seed", "run", "steady_tok_per_sec", "peak_mem_gib", "gpu_shared"])
+
+
+def test_arm_costs_read_step_time_from_solo_runs_only():
+    summary = _summary([
+        ["base", 0, "base-s0", 1000.0, 10.0, False],
+        ["base", 1, "base-s1", 1900.0, 12.0, True],       # shared: its tok/s is two runs' GPU, left out
+        ["b", 0, "b-s0", 500.0, 8.0, np.False_],          # a numpy boolean is a record too
+        ["b", 1, "b-s1", 700.0, 8.0, False],
+        ["shared", 0, "shared-s0", 1800.0, 9.0, True],
+        ["shared", 1, "shared-s1", 1800.0, 9.0, True],
+        ["old", 0, "old-s0", 1000.0, 9.0, None],          # made before the record: unknown, never solo
+        ["old", 1, "old-s1", 1000.0, 9.0, float("nan")],  # as a CSV round trip leaves None
+    ])
+    assert solo_runs(summary)["run"].tolist() == ["base-s0", "b-s0", "b-s1"]
+    cost = arm_costs(summary, tokens_per_step=1000, base="base")
+    assert cost.index.tolist() == ["base", "b", "shared", "old"]
+    assert cost["runs"].tolist() == [2, 2, 2, 2] and cost["solo_runs"].tolist() == [1, 2, 0, 0]
+    assert cost.loc["base", "tok_per_sec"] == 1000.0 and cost.loc["base", "step_ms"] == 1000.0
+    assert cost.loc["b", "tok_per_sec"] == 600.0 and cost.loc["b", "tok_per_sec_vs_base"] == pytest.approx(0.6)
+    for arm in ("shared", "old"):  # no shared timing stands in for a missing solo one
+        assert cost.loc[arm, ["tok_per_sec", "step_ms", "tok_per_sec_vs_base"]].isna().all()
+    assert "2 shared it, 0 have no record" in cost.loc["shared", "time_na"]
+    assert "0 shared it, 2 have no record" in cost.loc["old", "time_na"]
+    assert cost.loc["base", "time_na"] == cost.loc["b", "time_na"] == ""
+    # peak memory is each process's own allocation: every run counts, shared or not
+    assert cost.loc["base", "peak_mem_gib"] == 11.0 and cost.loc["b", "peak_mem_vs_base_gib"] == -3.0
+
+
+def test_arm_costs_refuse_a_summary_without_the_record_or_the_base():
+    summary = _summary([["base", 0, "base-s0", 1000.0, 10.0, False]])
+    with pytest.raises(ValueError, match="gpu_shared"):
+        solo_runs(summary.drop(columns="gpu_shared"))
+    with pytest.raises(ValueError, match="gpu_shared"):
+        arm_costs(summary.drop(columns="gpu_shared"), 1000, "base")
+    with pytest.raises(ValueError, match="base arm 'fp32' is not in"):
+        arm_costs(summary, 1000, "fp32")
+
+
+def test_solo_first_trains_every_arms_first_seed_alone_then_the_rest_two_per_gpu(tmp_path, fake_gpu_runs):
+    grid = Study("p", {"a": [], "b": ["max_lr=1e-3"]}, seeds=[3, 5, 7], steps=4, root=tmp_path, runs_per_gpu=2,
+                 progress=False)
+    alone, everything = solo_first(grid)
+    assert everything is grid and alone.folder == grid.folder and alone.runs_per_gpu == 1
+    assert [p.name for p in alone._plan()] == ["a-s3", "b-s3"]
+    for phase in (alone, everything):
+        summary = phase.run()
+    assert fake_gpu_runs == [("a-s3", "1", "0"), ("b-s3", "1", "0"),  # seed 3 alone, one run per GPU
+                             ("a-s5", "2", "0"), ("b-s5", "2", "0"), ("a-s7", "2", "0"), ("b-s7", "2", "0")]
+    assert summary.set_index("run")["action"].to_dict() == {"a-s3": "cached", "a-s5": "new", "a-s7": "new",
+                                                             "b-s3": "cached", "b-s5": "new", "b-s7": "new"}
+    summary["gpu_shared"] = [gpu_shared(json.loads((grid.folder / r / "env.json").read_text())) for r in summary["run"]]
+    assert solo_runs(summary)["run"].tolist() == ["a-s3", "b-s3"]
+    with pytest.raises(ValueError, match="arm_seeds"):
+        solo_first(Study("p", {"a": []}, seeds=[0], arm_seeds={"a": [1, 2]}, root=tmp_path))
+

@@ -8,10 +8,13 @@
 - `decay_moved_fraction(weights, lr, wd)`, `decay_only(weights, lrs, wd)`: decoupled weight
   decay alone on bf16 weights with and without an fp32 master.
 - `logits_memory(cfg)`: the seed's formula for what the [B,T,V] logits cost per micro-batch.
+- `solo_first(grid)`: the grid as two Study calls, each arm's first seed alone on its GPU, then the rest;
+  `solo_runs(summary)`, `arm_costs(summary, ...)`: step time from the runs that trained alone only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from blunb import kernels
 from blunb.config import TrainConfig
+from blunb.study import Study
 
 BF16_SIGNIFICAND_BITS = 8  # 7 stored + the implicit one
 
@@ -133,3 +137,63 @@ def logits_memory(cfg: TrainConfig) -> LogitsMemory:
     tokens, vocab = cfg.B * cfg.T, cfg.model.vocab_size
     fp32, bf16 = 2 * tokens * vocab * 4, 2 * tokens * vocab * 2
     return LogitsMemory(tokens, vocab, fp32, bf16, fp32 - bf16)
+
+
+# ---------------------------------------------------------------- what a run's time figures may be read from
+
+def solo_first(grid: Study) -> list[Study]:
+    """`grid` as two Study calls into its folder, to be run in order: every arm's first seed one run per
+    GPU (runs_per_gpu=1: these runs' step times are their arm's own), then the whole grid at grid's
+    runs_per_gpu, where the first seeds are cached. Two runs sharing an H200 train at nearly twice the
+    throughput of one alone, so only the runs whose time is reported need the GPU to themselves."""
+    if grid.arm_seeds:
+        raise ValueError(f"solo_first takes a grid whose arms share one seed list; {grid.name!r} has arm_seeds for "
+                         f"{sorted(grid.arm_seeds)}")
+    seeds = list(grid.seeds)
+    if not seeds:
+        raise ValueError(f"study {grid.name!r} has no seeds")
+    return [dataclasses.replace(grid, seeds=seeds[:1], runs_per_gpu=1), grid]
+
+
+def solo_runs(summary: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a study's summary whose run trained alone on its GPUs (or on the CPU): `gpu_shared`
+    (blunb.runs.gpu_shared of each run's env.json) exactly False. A run without a record (None: made
+    before blunb kept one) is unknown, never taken for a solo one."""
+    return summary[np.array([shared is False for shared in _shared(summary)], dtype=bool)]
+
+
+def _shared(summary: pd.DataFrame) -> list[bool | None]:
+    """Each row's gpu_shared as True, False or None (anything but a boolean, a NaN included, is unknown)."""
+    if "gpu_shared" not in summary:
+        raise ValueError("summary has no gpu_shared column: add blunb.runs.gpu_shared(run.env) for each run")
+    return [bool(v) if isinstance(v, (bool, np.bool_)) else None for v in summary["gpu_shared"]]
+
+
+def arm_costs(summary: pd.DataFrame, tokens_per_step: int, base: str) -> pd.DataFrame:
+    """Per arm of a study's summary (its order): steady tok/s and step time (tokens_per_step over it) as the
+    mean over the arm's solo runs only (`solo_runs`): a shared GPU's step time is two runs', not the arm's.
+    An arm with no solo run has NaN there and says why in `time_na`. Peak memory is the mean over every run:
+    it is each process's own torch.cuda.max_memory_allocated, which another process on the GPU does not
+    change. `*_vs_base`: against arm `base`. Index: arm; also runs, solo_runs."""
+    missing = [c for c in ("arm", "steady_tok_per_sec", "peak_mem_gib", "gpu_shared") if c not in summary]
+    if missing:
+        raise ValueError(f"summary lacks {missing} (a Study's summary with gpu_shared added per run)")
+    if base not in set(summary["arm"]):
+        raise ValueError(f"base arm {base!r} is not in the summary's arms {list(dict.fromkeys(summary['arm']))}")
+    solo = solo_runs(summary)
+    rows = []
+    for arm, runs in summary.groupby("arm", sort=False):
+        mine = solo[solo["arm"] == arm]
+        shared = _shared(runs).count(True)
+        unknown = len(runs) - len(mine) - shared
+        tok_s = float(mine["steady_tok_per_sec"].mean()) if len(mine) else math.nan
+        why = "" if len(mine) else (f"no run trained alone on its GPU: {shared} shared it, {unknown} have no record "
+                                    "(made before runs recorded it, or launched outside blunb.study)")
+        rows.append({"arm": arm, "runs": len(runs), "solo_runs": len(mine), "tok_per_sec": tok_s,
+                     "step_ms": tokens_per_step / tok_s * 1e3, "peak_mem_gib": float(runs["peak_mem_gib"].mean()),
+                     "time_na": why})
+    cost = pd.DataFrame(rows).set_index("arm")
+    cost["tok_per_sec_vs_base"] = cost["tok_per_sec"] / cost.loc[base, "tok_per_sec"]
+    cost["peak_mem_vs_base_gib"] = cost["peak_mem_gib"] - cost.loc[base, "peak_mem_gib"]
+    return cost[["runs", "solo_runs", "tok_per_sec", "step_ms", "tok_per_sec_vs_base", "peak_mem_gib",
+                 "peak_mem_vs_base_gib", "time_na"]]
