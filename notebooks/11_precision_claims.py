@@ -138,9 +138,15 @@ CLAIMS = [
 # long enough that decay alone would shrink the weights measurably: prod(1 - lr*wd) over the
 # reference's WSD schedule is 0.902 (9.8% smaller; 1.3% within the last 400 steps), which the fp32
 # master follows and the no-master arm's bf16 weights never see.
+# Only step time needs a GPU to itself: seed 0 of every arm trains alone (the notebook's first Study call),
+# the other 18 runs two per GPU, where a pair trains at nearly twice one run's throughput. Estimated from
+# ~44 GPU minutes for all 24 alone: 6 alone + 9 pairs, ~28. No claim reads time; peak memory is each
+# process's own allocation.
 GPU_SCALE = {
     "preset": "124m",
-    "device": "one NVIDIA H200, one run at a time (peak memory and step time are each arm's own)",
+    "device": "one NVIDIA H200: seed 0 of each arm alone (its step time and tok/s are the arm's time figures), the "
+              "other seeds two per GPU (peak memory is each run's own max_memory_allocated, the same shared or alone)",
+    "runs_per_gpu": 2,
     "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
     "tokens_per_step": 16384,   # one B16 x T1024 micro-batch: the logits formula's B*T = 16384
     "corpus": "site-packages code, bpe:16384 (blunb-data prepare --source site-packages --tokenizer bpe:16384)",

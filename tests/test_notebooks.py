@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
 PRODUCTS = {"00_quickstart.ipynb": ("quickstart", ["summary.csv", "curves.png", "curves.svg"]),
             "10_clipping.ipynb": ("clipping", ["summary.csv", "metrics_long.csv", "claims.csv"]),
             "11_precision.ipynb": ("precision", ["summary.csv", "metrics_long.csv", "claims.csv", "loss_curves.png",
-                                                 "cost.png", "loss_dtype.png", "master_weights.png"]),
+                                                 "cost.csv", "cost.png", "loss_dtype.png", "master_weights.png"]),
             "12_overlap.ipynb": ("overlap", ["equivalence.csv", "layouts.csv", "predictions.csv", "claims.csv",
                                              "timelines.png", "exposed.png"]),
             "13_muon_vs_adamw.ipynb": ("muon_vs_adamw", ["summary.csv", "metrics_long.csv", "claims.csv",

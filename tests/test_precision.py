@@ -4,6 +4,10 @@ arithmetic behind the seed's precision claims (blunb.studies.precision)."""
 import json
 import logging
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -13,7 +17,7 @@ import torch
 from blunb.config import BF16_STAGES, ConfigError, apply_overrides, preset
 from blunb.model import BLU
 from blunb.optim.build import NoMasterAdamW, build_optimizers
-from blunb.runs import gpu_shared
+from blunb.runs import gpu_shared, load_run
 from blunb.studies.precision import (
     arm_costs,
     bf16_ulp,
@@ -27,6 +31,7 @@ from blunb.studies.precision import (
     solo_runs,
 )
 from blunb.study import Study
+from tests.distributed import REPO
 
 
 @pytest.fixture(autouse=True)
@@ -251,3 +256,24 @@ def test_solo_first_trains_every_arms_first_seed_alone_then_the_rest_two_per_gpu
     with pytest.raises(ValueError, match="arm_seeds"):
         solo_first(Study("p", {"a": []}, seeds=[0], arm_seeds={"a": [1, 2]}, root=tmp_path))
 
+
+def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
+    """results/precision's runs predate the GPU-sharing record: rendered render_only (the README's parameters),
+    the claims are the committed ones byte for byte and no arm's step time is reported."""
+    shutil.copytree(REPO / "results" / "precision", tmp_path / "precision",
+                    ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
+    assert all(gpu_shared(load_run(d).env) is None for d in (tmp_path / "precision").glob("*-s*"))
+    common = "['global_batch=16384', 'val_freq=50', 'val_tokens=65536', 'data_order=shards']"
+    proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/11_precision.ipynb", "--script",
+                           "-p", "preset", "124m", "-p", "steps", "300", "-p", "publish", "True",
+                           "-p", "render_only", "True", "-p", "common", common],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    folder = tmp_path / "precision"
+    assert (folder / "claims.csv").read_text() == (REPO / "results/precision/claims.csv").read_text()
+    cost = pd.read_csv(folder / "cost.csv", index_col="arm")
+    assert (cost["solo_runs"] == 0).all() and cost["tok_per_sec"].isna().all()
+    assert cost["time_na"].str.contains("0 shared it, 2 have no record").all()
+    assert cost["peak_mem_gib"].notna().all()  # memory does not depend on sharing: still reported
+    assert "step time and tok/s n/a" in proc.stdout
