@@ -54,6 +54,11 @@ def _check_lr_pair(hi_name: str, hi: float, lo_name: str, lo: float) -> None:
 # The per-stage precision flags (ModelConfig fields) that the `all_bf16` override sets together.
 BF16_STAGES = ("bf16_resid", "bf16_logits", "bf16_embed")
 ALL_BF16 = "all_bf16"
+# model.fp8: the scaling recipes of torchao's float8 training that the body's Linears can run (blunb/fp8.py), and
+# the multiple its GEMMs (torch._scaled_mm) need of both sides of every weight and of the tokens a weight
+# gradient sums over.
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_ALIGN = 16
 
 # The train data orders (blunb.data.build_train_loader): "windows" a seeded permutation of the
 # split's T-token windows, fresh each epoch; "shards" the legacy one (the shard files permuted,
@@ -117,6 +122,10 @@ class ModelConfig:
     bf16_embed: bool = False   # token embedding (and the tied lm_head)
     # Linear weights: "auto" = bf16 on CUDA, fp32 on CPU; or "bf16" / "fp32".
     linear_dtype: str = "auto"
+    # The body's Linears (attention wq/wk/wv/wo, MLP gate_up/down) as torchao float8 training Linears, "off" or a
+    # scaling recipe (FP8_RECIPES): each GEMM casts its operands to float8 with dynamic scales, the weights stay in
+    # linear_dtype; lm_head and the embedding are never converted. Needs torchao and CUDA >= 8.9 (blunb/fp8.py).
+    fp8: str = "off"
     # lm_head + loss in token chunks (kernels/linear_cross_entropy.py): the [B*T, V] logits and their
     # gradient are never materialized, and forward(idx, targets) returns (None, loss). Same math and
     # dtypes as the plain path; forward(idx) without targets still returns the logits. "auto": on CUDA.
@@ -138,6 +147,19 @@ class ModelConfig:
         if self.rms_eps <= 0 or self.qk_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("model.rms_eps, model.qk_eps and model.rope_theta must be positive")
         _check_switch("model.chunked_ce", self.chunked_ce)
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        if self.fp8 not in ("off", *FP8_RECIPES):
+            raise ConfigError(f"model.fp8 must be off or one of {FP8_RECIPES}, got {self.fp8!r}")
+        if self.fp8 == "off":
+            return
+        dims = {"d_model": self.d_model, "q_heads*head_dim": self.q_heads * self.head_dim,
+                "kv_heads*head_dim": self.kv_heads * self.head_dim, "ffn_hidden": self.ffn_hidden}
+        bad = [f"{name} = {value}" for name, value in dims.items() if value % FP8_ALIGN]
+        if bad:
+            raise ConfigError(f"model.fp8={self.fp8}: float8 GEMMs need every dimension of the body's Linears "
+                              f"divisible by {FP8_ALIGN}, got {', '.join(bad)}")
 
     def num_params(self) -> int:
         """Exact parameter count of BLU(self) (tests hold the model to it)."""
@@ -236,6 +258,10 @@ class TrainConfig:
         if self.global_batch % per_step:
             raise ConfigError(f"global_batch ({self.global_batch}) must be divisible by "
                               f"B*T*world_size = {self.B}*{self.T}*{world_size} = {per_step}")
+        if self.model.fp8 != "off" and (self.B * self.T) % FP8_ALIGN:
+            raise ConfigError(f"model.fp8={self.model.fp8}: the weight gradient's float8 GEMM multiplies over a "
+                              f"micro-batch's B*T tokens, which must be divisible by {FP8_ALIGN}, got "
+                              f"B*T = {self.B}*{self.T} = {self.B * self.T}")
         if self.warmup_steps < 0 or self.stable_steps < 0:
             raise ConfigError("warmup_steps and stable_steps must be >= 0")
         if self.warmup_steps + self.stable_steps >= self.max_steps:

@@ -53,6 +53,8 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str) -> MemoryEstim
     on_cuda = device_type == "cuda"
     linear_bf16 = m.linear_dtype == "bf16" or (m.linear_dtype == "auto" and on_cuda)
     weight_bytes = 2 if linear_bf16 else 4          # the Linears dominate P; embedding / norms ride along
+    # model.fp8 changes no term: torchao's dynamic-scaling Linears keep their weights in linear_dtype and save the
+    # input and weight in that dtype for backward; the float8 copies live only for their GEMM.
     if cfg.optimizer in ("ddp_adamw",):
         optimizer = 8.0 * P + (4.0 * P if linear_bf16 else 0.0)   # moments (+ fp32 params beside bf16 copies)
     elif cfg.optimizer == "adamw_bf16_nomaster":

@@ -6,9 +6,10 @@ token embedding -> N x [RMSNorm -> wQ/wK/wV -> QK-norm + RoPE -> GQA causal atte
 
 Precision follows the seed: Linear weights bf16 on CUDA (fp32 on CPU), the residual
 stream, norms, embedding and logits fp32 unless one of the bf16_* flags moves that stage
-to bf16 (the `all_bf16` override sets all three); the QK-norm + RoPE island always computes
-in fp32 (its gammas are fp32). Every non-matmul op goes through `blunb.kernels`, so the fused
-Triton kernels slot in there.
+to bf16 (the `all_bf16` override sets all three); `fp8` runs the body's GEMMs in float8
+through torchao (blunb/fp8.py); the QK-norm + RoPE island always computes in fp32 (its
+gammas are fp32). Every non-matmul op goes through `blunb.kernels`, so the fused Triton
+kernels slot in there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from blunb import kernels
+from blunb import fp8, kernels
 from blunb.config import BF16_STAGES, ModelConfig, auto_switch
 from blunb.kernels import linear_cross_entropy
 
@@ -49,7 +50,8 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias whose GEMM goes through _gemm."""
+    """nn.Linear without bias whose GEMM goes through _gemm. model.fp8 swaps the body's for torchao's Float8Linear
+    (blunb/fp8.py), which keeps the weight Parameter."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__(in_features, out_features, bias=False, dtype=dtype)
@@ -144,6 +146,8 @@ class BLU(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed)
+        # after the init: the swap keeps each weight Parameter, so the fp8 model starts from the same weights
+        self.fp8_linears = fp8.convert_body(self, cfg.fp8) if cfg.fp8 != "off" else []
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -176,9 +180,13 @@ class BLU(nn.Module):
         which of the per-stage flags are on ("all three (all_bf16)" when the whole set is)."""
         label = {torch.float32: "fp32", torch.bfloat16: "bf16"}
         stages = [name.removeprefix("bf16_") for name in BF16_STAGES if getattr(self.cfg, name)]
+        body = label[self.linear_dtype]
+        if self.fp8_linears:
+            body = f"fp8 {self.cfg.fp8} (torchao {fp8.torchao_version()}; weights {body})"
         return {"linear_weights": label[self.linear_dtype], "output_projection": label[self.linear_dtype],
                 "residual_stream_and_norms": label[self.resid_dtype], "embedding": label[self.wte.weight.dtype],
                 "logits": label[self.logit_dtype] + (" (chunked, never materialized)" if self.chunked_ce else ""),
+                "body_gemms": body,
                 "qk_norm_rope": "fp32 (always)", "loss": "fp32",
                 "bf16_stages": "all three (all_bf16)" if len(stages) == len(BF16_STAGES) else
                 ", ".join(stages) or "none"}

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blunb import kernels
+from blunb import fp8, kernels
 from blunb.optim.layout import refresh_stages
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ def run_facts(cfg: TrainConfig, model: BLU, opt, device: torch.device) -> dict:
              "optimizer": described,
              "kernels": kernels.describe(device),
              "dt": "host wall-clock between step starts; no per-step device sync"}
+    if model.fp8_linears:
+        facts["fp8"] = fp8.describe(model, cfg.model.fp8)
     if cfg.overlap_refresh:   # validate() allows it only where a ZeRO-1 set reads it
         names = {id(m): name or "<model>" for name, m in model.named_modules()}
         stages = refresh_stages(model)
@@ -45,6 +47,8 @@ def start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]
     lines = [f"blunb {cfg.preset}: {run.model.num_params():,} params | world {run.world_size} x {run.device} | "
              f"B {cfg.B} T {cfg.T} accum {run.accum} -> {run.tokens_per_step:,} tokens/step",
              "precision: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in prec.items())]
+    if "fp8" in facts:
+        lines += fp8.start_lines(facts["fp8"], compiled=bool(cfg.compile))
     head = f"optimizer: {o['label']} over {o['world_size']} rank(s)"
     if "zero" in o:
         z = o["zero"]

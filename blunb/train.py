@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blunb import checkpoint, kernels, memory
+from blunb import checkpoint, fp8, kernels, memory
 from blunb.cli import prog_name
 from blunb.config import ConfigError, TrainConfig, apply_overrides, preset, settings_help
 from blunb.data import (
@@ -116,6 +116,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
     determinism = Determinism(cfg)
     determinism.apply()  # before CUDA is initialized (CUBLAS_WORKSPACE_CONFIG); put back in the finally below
     try:
+        if cfg.model.fp8 != "off":  # torchao, CUDA >= 8.9; after apply(): the capability query initializes CUDA
+            fp8.check(cfg.model.fp8, device)
         _init_distributed(cfg, device, world_size)
     except BaseException:
         determinism.restore()
@@ -906,7 +908,10 @@ def _start_ranks(cfg: TrainConfig, nproc: int, argv: list[str]) -> None:
             raise ConfigError(f"--nproc {nproc} under a torchrun job of {_dist_env()[1]} ranks: leave --nproc out")
         return
     cfg.validate(world_size=nproc)
-    memory.check(cfg, nproc, _pick_device(cfg, 0), local_ranks=nproc)
+    device = _pick_device(cfg, 0)
+    if cfg.model.fp8 != "off":
+        fp8.check(cfg.model.fp8, device)
+    memory.check(cfg, nproc, device, local_ranks=nproc)
     rest, skip = [], False
     for arg in argv:
         if skip:
