@@ -9,6 +9,10 @@ fp32 parameters under bf16 autocast, fp32 cross-entropy, torch.optim.AdamW(fused
 global-norm clipping, one optimizer step per micro-batch of random tokens (throughput does not
 depend on the data). Prints and writes one JSON row: ms/step, tok/s, MFU (causal and PaLM, by
 blunb's MFU meter, so both sides share one FLOP count) and peak allocated memory.
+
+`--fp8 tensorwise|rowwise`: the body's Linears converted as torchao's float8 training README shows,
+convert_to_float8_training with the recipe's Float8LinearConfig (the one model.fp8 uses) and a filter
+that keeps lm_head out, before torch.compile; the fp32 parameters under autocast stay as they are.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from blunb.config import ModelConfig, preset
+from blunb.config import FP8_RECIPES, ModelConfig, preset
 from blunb.mfu import MFUMeter
 from blunb.profiling import write_profile
 
@@ -98,14 +102,36 @@ class PlainLlama(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def convert_to_fp8(model: PlainLlama, recipe: str) -> int:
+    """The body's Linears (every nn.Linear but lm_head) as torchao Float8Linears; returns how many."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    names = []
+
+    def body(module: nn.Module, fqn: str) -> bool:   # asked of every nn.Linear
+        if fqn == "lm_head":
+            return False
+        names.append(fqn)
+        return True
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=body)
+    return len(names)
+
+
+def variant_name(compile_model: bool, fp8: str) -> str:
+    return ("plain_compile" if compile_model else "plain_eager") + ("" if fp8 == "off" else f"-fp8-{fp8}")
+
+
 def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B: int | None = None,
-               T: int | None = None, lr: float = 6e-4, profile_steps: int = 0, profile_to: Path | None = None) -> dict:
+               T: int | None = None, lr: float = 6e-4, profile_steps: int = 0, profile_to: Path | None = None,
+               fp8: str = "off") -> dict:
     cfg = preset(preset_name)
     B, T = B or cfg.B, T or cfg.T
     device = torch.device("cuda")
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     model = PlainLlama(cfg.model, device)
+    fp8_linears = convert_to_fp8(model, fp8) if fp8 != "off" else 0
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     fwd = torch.compile(model) if compile_model else model
     gen = torch.Generator(device=device).manual_seed(0)
@@ -141,8 +167,8 @@ def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B
         write_profile(prof, profile_steps, profile_to.parent, prefix=profile_to.stem)
     meter = MFUMeter.build(cfg.model, seq_len=T, world_size=1, device_name=torch.cuda.get_device_name(device))
     tokens = B * T
-    return {"variant": "plain_compile" if compile_model else "plain_eager", "preset": preset_name, "B": B, "T": T,
-            "ms_per_step": dt * 1e3, "tok_per_s": tokens / dt, "mfu_causal": meter.mfu(dt, tokens),
+    return {"variant": variant_name(compile_model, fp8), "preset": preset_name, "fp8": fp8, "fp8_linears": fp8_linears,
+            "B": B, "T": T, "ms_per_step": dt * 1e3, "tok_per_s": tokens / dt, "mfu_causal": meter.mfu(dt, tokens),
             "mfu_palm": meter.mfu_palm(dt, tokens), "peak_mem_gib": peak,
             "warmup_s": warm_s, "timed_steps": steps, "final_loss": float(loss.detach()), "num_params":
             sum(p.numel() for p in model.parameters())}
@@ -155,12 +181,14 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--fp8", default="off", choices=["off", *FP8_RECIPES],
+                    help="convert the body's Linears with torchao's float8 training recipe (needs torchao)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="then profile this many steps: <json stem>-profile.csv / -profile_kernels.csv beside it")
     args = ap.parse_args()
     row = time_plain(args.preset, args.compile, args.steps, args.warmup, profile_steps=args.profile_steps,
-                     profile_to=Path(args.json).with_name(Path(args.json).stem + "-profile"))
+                     profile_to=Path(args.json).with_name(Path(args.json).stem + "-profile"), fp8=args.fp8)
     log.info(json.dumps(row))
     Path(args.json).write_text(json.dumps(row))
 

@@ -4,6 +4,8 @@ all in one call on one GPU: tokens/s, MFU (causal and PaLM), peak memory and the
     PYTHONPATH=. python3 bench/speed.py --presets 1b,124m --out results/bench/speed.csv
     PYTHONPATH=. python3 bench/speed.py --presets 1b --blunb adamw=optimizer=adamw \
         --blunb adamw-compile=optimizer=adamw,compile=true --out /tmp/speed.csv
+    PYTHONPATH=. python3 bench/speed.py --presets 1b --baselines compile --blunb adamw=optimizer=adamw \
+        --fp8 tensorwise,rowwise --out /tmp/speed_fp8.csv     # needs torchao (pyproject's fp8 extra)
 
 Baselines: bench/plain_llama.py (plain_eager, plain_compile). blunb rows are real `blunb.train`
 runs at the preset's micro-batch with one optimizer step per micro-batch (global_batch = B x T),
@@ -11,6 +13,12 @@ no validation or checkpoints inside the timed steps. Every process is separate, 
 memory and compile caches do not leak into the next; the CSV is rewritten after every row, so a
 call cut short keeps what it measured. Each blunb row carries tok/s and peak memory relative to
 plain_compile of the same preset, measured in this call.
+
+`--fp8 R1,R2`: per recipe (model.fp8, blunb/fp8.py) the plain baselines converted with torchao's same
+recipe (plain_compile-fp8-R) and the blunb row adamw-fp8-R (optimizer=adamw, model.fp8=R). Every row
+says its fp8 and carries tok/s against the plain_compile of the same fp8 (the same torchao conversion
+on both sides) and against blunb's `adamw` row (the default flags: bf16 body GEMMs), of the same call.
+MFU stays counted against the device's bf16 peak (an fp8 row's tensor cores peak at twice that).
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from bench.plain_llama import variant_name
 from bench.train_presets import run_trainer_variant
-from blunb.config import preset
+from blunb.config import FP8_RECIPES, apply_overrides, preset
 from blunb.kernels import OPS
 from blunb.runs import environment
 
@@ -47,6 +56,8 @@ DEFAULT_BLUNB = {
     "muon": "optimizer=muon",
     "muon-compile-chunked": "optimizer=muon,compile=true,model.chunked_ce=true",
 }
+# The blunb row the fp8 rows are measured against (tok_per_s_vs_blunb_bf16): the default flags, bf16 body GEMMs.
+BF16_REFERENCE = "adamw"
 
 
 def _overrides(spec: str) -> list[str]:
@@ -67,13 +78,13 @@ def _profile(csv: Path, preset_name: str, variant: str) -> list[dict]:
 
 
 def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, profile_steps: int,
-               work: Path) -> tuple[dict, list[dict]]:
-    name = "plain_compile" if compile_model else "plain_eager"
+               work: Path, fp8: str = "off") -> tuple[dict, list[dict]]:
+    name = variant_name(compile_model, fp8)
     out = work / f"{name}-{preset_name}.json"
     cmd = [sys.executable, "bench/plain_llama.py", "--preset", preset_name, "--steps", str(steps),
-           "--warmup", str(warmup), "--json", str(out), "--profile-steps", str(profile_steps)]
+           "--warmup", str(warmup), "--json", str(out), "--profile-steps", str(profile_steps), "--fp8", fp8]
     if subprocess.run(cmd + (["--compile"] if compile_model else [])).returncode != 0 or not out.exists():
-        return {"variant": name, "preset": preset_name, "status": "failed"}, []
+        return {"variant": name, "preset": preset_name, "status": "failed", "fp8": fp8}, []
     row = json.loads(out.read_text())
     return {**row, "status": "ok", "kind": "baseline"}, _profile(out.with_name(out.stem + "-profile.csv"),
                                                                     preset_name, name)
@@ -82,12 +93,13 @@ def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, p
 def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, warmup: int, profile_steps: int,
                work: Path) -> tuple[dict, list[dict]]:
     cfg = preset(preset_name)
+    fp8 = apply_overrides(preset(preset_name), overrides).model.fp8
     common = [f"global_batch={cfg.B * cfg.T}", f"val_freq={10 * steps}", "ckpt_freq=0", f"mfu_warmup={warmup}"]
     r = run_trainer_variant(preset_name, name, common + overrides, steps=steps, warmup=warmup, nproc=1,
                             runs_dir=work / "runs", profile_steps=profile_steps)
     if r["status"] != "ok":
-        return {**r, "preset": preset_name, "kind": "blunb"}, []
-    row = {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "B": cfg.B, "T": cfg.T,
+        return {**r, "preset": preset_name, "kind": "blunb", "fp8": fp8}, []
+    row = {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "fp8": fp8, "B": cfg.B, "T": cfg.T,
            "ms_per_step": r["steady_ms_per_step"], "tok_per_s": r["steady_tok_per_sec"],
            "mfu_causal": r["steady_mfu"], "mfu_palm": r["steady_mfu_palm"], "peak_mem_gib": r["peak_mem_gib"],
            "run_peak_mem_gib": r["run_peak_mem_gib"],
@@ -124,13 +136,25 @@ def _plot_profiles(profiles: pd.DataFrame, path: Path, facts: dict) -> None:
 
 
 def _with_ratios(rows: list[dict]) -> pd.DataFrame:
+    """The rows with their ratios to the same call's baselines, per preset: plain_compile (bf16), the
+    plain_compile of the row's own fp8 (itself for plain_compile) and blunb's `adamw` row (BF16_REFERENCE)."""
     table = pd.DataFrame(rows)
     for col in ("tok_per_s", "peak_mem_gib"):
         if col not in table:
             table[col] = float("nan")
-    base = table[(table["variant"] == "plain_compile") & (table["status"] == "ok")].set_index("preset")
+    table["fp8"] = table["fp8"].fillna("off") if "fp8" in table else "off"
+    ok = table[table["status"] == "ok"]
+    base = ok[ok["variant"] == "plain_compile"].set_index("preset")
     table["tok_per_s_vs_plain_compile"] = table["tok_per_s"] / table["preset"].map(base["tok_per_s"])
     table["mem_vs_plain_compile"] = table["peak_mem_gib"] / table["preset"].map(base["peak_mem_gib"])
+    same = ok[ok["variant"] == ok["fp8"].map(lambda f: variant_name(True, f))].set_index(["preset", "fp8"])
+    key = pd.MultiIndex.from_frame(table[["preset", "fp8"]])
+    table["tok_per_s_vs_plain_compile_same_fp8"] = table["tok_per_s"].to_numpy() / \
+        same["tok_per_s"].reindex(key).to_numpy()
+    table["mem_vs_plain_compile_same_fp8"] = table["peak_mem_gib"].to_numpy() / \
+        same["peak_mem_gib"].reindex(key).to_numpy()
+    bf16 = ok[ok["variant"] == BF16_REFERENCE].set_index("preset")
+    table["tok_per_s_vs_blunb_bf16"] = table["tok_per_s"] / table["preset"].map(bf16["tok_per_s"])
     return table
 
 
@@ -144,6 +168,9 @@ def main() -> None:
                     help="a blunb variant (repeatable); default: " + ", ".join(DEFAULT_BLUNB))
     ap.add_argument("--baselines", default="compile,eager",
                     help="which plain baselines to run: compile, eager, both (default) or none")
+    ap.add_argument("--fp8", default="",
+                    help="comma-separated model.fp8 recipes (tensorwise, rowwise): per recipe the plain baselines "
+                         "converted with it and the blunb row adamw-fp8-<recipe> (needs torchao)")
     ap.add_argument("--profile-steps", type=int, default=3,
                     help="steps profiled after the timed ones (0: none); <out stem>_profile.csv and .png")
     ap.add_argument("--work", default="/tmp/blunb_speed")
@@ -151,7 +178,12 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/speed.py measures GPU throughput: no CUDA device here")
-    variants = dict(v.split("=", 1) for v in args.blunb) if args.blunb else DEFAULT_BLUNB
+    variants = dict(v.split("=", 1) for v in args.blunb) if args.blunb else dict(DEFAULT_BLUNB)
+    recipes = [r for r in args.fp8.split(",") if r]
+    unknown = [r for r in recipes if r not in FP8_RECIPES]
+    if unknown:
+        sys.exit(f"--fp8: unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(FP8_RECIPES)}")
+    variants.update({f"adamw-fp8-{r}": f"{DEFAULT_BLUNB[BF16_REFERENCE]},model.fp8={r}" for r in recipes})
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,13 +194,14 @@ def main() -> None:
     profiles: list[dict] = []
     profile_csv = out.with_name(out.stem + "_profile.csv")
     for preset_name in args.presets.split(","):
-        jobs = [("plain", mode == "compile") for mode in ("compile", "eager") if mode in args.baselines.split(",")]
+        modes = [mode == "compile" for mode in ("compile", "eager") if mode in args.baselines.split(",")]
+        jobs = [("plain", (compiled, fp8)) for fp8 in ("off", *recipes) for compiled in modes]
         jobs += [(name, spec) for name, spec in variants.items()]
         for name, spec in jobs:
             t0 = time.perf_counter()
             if name == "plain":
-                row, prof = _plain_row(preset_name, spec, args.steps - args.warmup, args.warmup, args.profile_steps,
-                                       work)
+                row, prof = _plain_row(preset_name, spec[0], args.steps - args.warmup, args.warmup, args.profile_steps,
+                                       work, fp8=spec[1])
             else:
                 row, prof = _blunb_row(preset_name, name, _overrides(spec), args.steps, args.warmup,
                                        args.profile_steps, work)
@@ -179,8 +212,9 @@ def main() -> None:
             if profiles:
                 pd.DataFrame(profiles).to_csv(profile_csv, index=False)
             log.info("%s %s: %s", preset_name, row["variant"], table.iloc[-1].to_dict())
-    cols = ["preset", "variant", "status", "ms_per_step", "tok_per_s", "mfu_causal", "mfu_palm", "peak_mem_gib",
-            "tok_per_s_vs_plain_compile", "mem_vs_plain_compile"]
+    cols = ["preset", "variant", "fp8", "status", "ms_per_step", "tok_per_s", "mfu_causal", "mfu_palm", "peak_mem_gib",
+            "tok_per_s_vs_plain_compile", "mem_vs_plain_compile", "tok_per_s_vs_plain_compile_same_fp8",
+            "tok_per_s_vs_blunb_bf16"]
     log.info("\n%s", _with_ratios(rows).reindex(columns=cols).to_string(index=False))
     if profiles:
         _plot_profiles(pd.DataFrame(profiles), profile_csv.with_suffix(".png"), facts)

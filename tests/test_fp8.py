@@ -172,6 +172,23 @@ def test_a_model_whose_body_moved_is_not_silently_half_converted():
         fp8.convert_body(model, "rowwise")
 
 
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_the_plain_baseline_converts_the_same_linears_with_the_same_config(recipe):
+    """bench/speed.py's plain_compile-fp8 rows: torchao's conversion as a user would write it, lm_head kept."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from bench.plain_llama import PlainLlama, convert_to_fp8
+
+    cfg = apply_overrides(preset("tiny"), ["weight_tying=false"]).model
+    plain = PlainLlama(cfg, "cpu")
+    assert convert_to_fp8(plain, recipe) == len(fp8.BODY_LINEARS) * cfg.n_layers
+    converted = {n: m for n, m in plain.named_modules() if isinstance(m, Float8Linear)}
+    assert len(converted) == len(fp8.BODY_LINEARS) * cfg.n_layers and "lm_head" not in converted
+    assert type(plain.lm_head) is nn.Linear
+    assert all(m.config == fp8.float8_config(recipe) for m in converted.values())
+
+
 def float8_rel_error_bound(a_dtype: torch.dtype, b_dtype: torch.dtype) -> float:
     """The normwise relative error of a GEMM whose two operands are each rounded to a float8 dtype, from the
     rounding alone: rounding to nearest with m mantissa bits errs by at most u = 2^-(m+1) of a value (e4m3: 2^-4,

@@ -1,0 +1,46 @@
+"""bench/speed.py's ratios (the GPU runs themselves are not tested here): every row against the same call's
+plain_compile, the plain_compile of its own fp8 recipe and blunb's bf16 `adamw` row, per preset."""
+
+import math
+
+import pytest
+
+from bench.speed import _with_ratios
+
+
+def test_each_row_is_measured_against_the_baselines_of_its_own_preset_and_fp8():
+    def row(preset, variant, fp8, tok, mem, status="ok"):
+        return {"preset": preset, "variant": variant, "fp8": fp8, "status": status, "tok_per_s": tok,
+                "peak_mem_gib": mem}
+
+    table = _with_ratios([
+        row("1b", "plain_compile", "off", 100.0, 10.0),
+        row("1b", "plain_compile-fp8-rowwise", "rowwise", 150.0, 9.0),
+        row("1b", "plain_eager-fp8-rowwise", "rowwise", 80.0, 12.0),
+        row("1b", "adamw", "off", 110.0, 10.5),
+        row("1b", "adamw-fp8-rowwise", "rowwise", 165.0, 9.9),
+        row("1b", "adamw-fp8-tensorwise", "tensorwise", float("nan"), float("nan"), status="failed (1)"),
+        row("seed-4b", "plain_compile", "off", 20.0, 80.0),
+        row("seed-4b", "adamw", "off", 25.0, 70.0),
+    ]).set_index(["preset", "variant"])
+    fp8_row = table.loc[("1b", "adamw-fp8-rowwise")]
+    assert fp8_row["tok_per_s_vs_plain_compile_same_fp8"] == pytest.approx(165 / 150)
+    assert fp8_row["mem_vs_plain_compile_same_fp8"] == pytest.approx(9.9 / 9.0)
+    assert fp8_row["tok_per_s_vs_plain_compile"] == pytest.approx(1.65)
+    assert fp8_row["tok_per_s_vs_blunb_bf16"] == pytest.approx(1.5)
+    assert table.loc[("1b", "adamw"), "tok_per_s_vs_plain_compile_same_fp8"] == pytest.approx(1.1)
+    eager = table.loc[("1b", "plain_eager-fp8-rowwise")]
+    assert eager["tok_per_s_vs_plain_compile_same_fp8"] == pytest.approx(80 / 150)
+    assert table.loc[("seed-4b", "adamw"), "tok_per_s_vs_blunb_bf16"] == 1.0   # its own preset's, not 1b's
+    assert table.loc[("seed-4b", "adamw"), "tok_per_s_vs_plain_compile"] == pytest.approx(1.25)
+    # no tensorwise baseline in this call, and the row failed: no ratio rather than a wrong one
+    assert math.isnan(table.loc[("1b", "adamw-fp8-tensorwise"), "tok_per_s_vs_plain_compile_same_fp8"])
+
+
+def test_rows_from_before_the_fp8_column_read_as_off():
+    table = _with_ratios([{"preset": "1b", "variant": "plain_compile", "status": "ok", "tok_per_s": 100.0,
+                           "peak_mem_gib": 10.0},
+                          {"preset": "1b", "variant": "adamw", "status": "ok", "tok_per_s": 105.0,
+                           "peak_mem_gib": 11.0}])
+    assert list(table["fp8"]) == ["off", "off"]
+    assert table["tok_per_s_vs_plain_compile_same_fp8"].tolist() == pytest.approx([1.0, 1.05])
