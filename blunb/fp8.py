@@ -33,9 +33,11 @@ INSTALL_HINT = (f"pip install 'blunb[fp8]' ({TORCHAO}); on a machine without a p
 
 
 def _float8():
-    """torchao.float8 (ImportError without torchao)."""
-    import torchao.float8
-
+    """torchao.float8; without torchao an ImportError that says how to install it."""
+    try:
+        import torchao.float8
+    except ImportError as err:
+        raise ImportError(f"torchao is not importable ({err}); install it: {INSTALL_HINT}") from err
     return torchao.float8
 
 
@@ -59,7 +61,7 @@ def problems(device: torch.device) -> list[str]:
     try:
         _float8()
     except ImportError as err:
-        found.append(f"torchao is not importable ({err}); install it: {INSTALL_HINT}")
+        found.append(str(err))
     if device.type != "cuda":
         found.append(f"float8 GEMMs need a CUDA GPU of compute capability >= {'.'.join(map(str, MIN_CAPABILITY))} "
                      f"(Ada, Hopper or newer); this run's device is {device.type}")

@@ -130,6 +130,13 @@ def test_check_names_every_problem_at_once(no_torchao):
     assert fp8.torchao_version() is None
 
 
+def test_a_model_built_with_fp8_outside_the_trainer_says_how_to_get_torchao(no_torchao):
+    from blunb.model import BLU
+
+    with pytest.raises(ImportError, match=r"torchao is not importable .*install it: pip install 'blunb\[fp8\]'"):
+        BLU(apply_overrides(preset("tiny"), ["model.fp8=rowwise"]).model)
+
+
 # ---------------------------------------------------------------- with torchao importable
 
 
@@ -207,7 +214,7 @@ FLOAT8_MIN_REL_ERROR = 2 ** -6
 
 def linear_errors(recipe: str, device: str, M: int, K: int, N: int) -> dict[str, tuple[float, float]]:
     """(relative error, bound) of a converted bf16 Linear's output, input gradient and weight gradient against
-    the exact (fp32) GEMMs of the same bf16 values."""
+    the exact (fp64) GEMMs of the same bf16 values."""
     from blunb.model import Linear
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -222,13 +229,13 @@ def linear_errors(recipe: str, device: str, M: int, K: int, N: int) -> dict[str,
     xg = x.clone().requires_grad_()
     out = holder["lin"](xg)
     out.backward(g)
-    xf, wf, gf = x.float(), w.float(), g.float()
+    xf, wf, gf = x.double(), w.double(), g.double()   # exact products, no TF32 (the trainer turns it on)
     pairs = {"output": (out, xf @ wf.T, config.cast_config_input, config.cast_config_weight),
              "grad_input": (xg.grad, gf @ wf, config.cast_config_grad_output, config.cast_config_weight),
              "grad_weight": (holder["lin"].weight.grad, gf.T @ xf, config.cast_config_grad_output,
                              config.cast_config_input)}
-    return {k: (((got.float() - ref).norm() / ref.norm()).item(), float8_rel_error_bound(a.target_dtype,
-                                                                                         b.target_dtype))
+    return {k: (((got.double() - ref).norm() / ref.norm()).item(), float8_rel_error_bound(a.target_dtype,
+                                                                                          b.target_dtype))
             for k, (got, ref, a, b) in pairs.items()}
 
 
