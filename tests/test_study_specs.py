@@ -114,3 +114,22 @@ def test_the_evidence_check_can_fail():
     assert any(p.fullmatch("a.b") for p in patterns)
     assert not any(p.fullmatch("reduce.other") for p in patterns)
     assert not any(p.fullmatch("any.thing") for p in patterns)
+
+
+def test_the_muon_studys_ns_option_is_the_tuned_arm_with_one_iteration_fewer():
+    """Issue 30's option in notebooks/13_muon_vs_adamw_claims.py: NS_BASELINE is what the tuned Muon arm runs
+    (the config's defaults), NS_OPTION valid settings with another schedule and one iteration fewer; its TOST
+    is at the spec's noise margin over the seeds GPU_SCALE gives the arm, and the power line needs no more."""
+    from blunb.config import apply_overrides, preset
+
+    spec = load_spec(REPO / "notebooks" / "13_muon_vs_adamw_claims.py")
+    m, cfg = spec.module, preset(spec.gpu_scale["preset"])
+    assert m.NS_BASELINE == {"muon_ns_schedule": cfg.muon_ns_schedule, "muon_ns_steps": cfg.muon_ns_steps}
+    option = apply_overrides(preset(spec.gpu_scale["preset"]), [f"{k}={v}" for k, v in m.NS_OPTION.items()])
+    assert (option.muon_ns_schedule, option.muon_ns_steps) == ("polar_express", cfg.muon_ns_steps - 1)
+    tost = spec.claim("muon.ns_polar_express4_equivalent")
+    assert (tost.test, tost.margin) == ("tost", m.NOISE_MARGIN_NATS)
+    assert tost.min_seeds == spec.gpu_scale["ns_option"]["seeds"] == len(spec.gpu_scale["parameters"]["seeds"])
+    assert spec.gpu_scale["parameters"]["ns_option"] is True
+    assert all(2 <= n <= tost.min_seeds for n in spec.gpu_scale["power"].values())
+    assert spec.claim("muon.ns_polar_express4_step_cost").descriptive
