@@ -1,26 +1,14 @@
 """cuda_graph: the steady-state training step captured once as a CUDA graph and replayed.
 
 Why: at small and medium sizes a step is hundreds of kernel launches from Python (every micro-batch's
-forward and backward, the clip's norms, the optimizer update), and the host, not the GPU, sets the pace.
-A replay launches them all at once.
+forward and backward, the clip's norms, the optimizer update), and the host, not the GPU, sets the pace;
+a replay launches them all at once. At world size 1, after WARMUP_STEPS eager steps on the side stream
+the capture then uses, the whole step is captured on static token buffers, with the learning rate read
+from a device tensor, and replayed; its results equal the eager step's bit for bit.
 
-What is captured (at world size 1): every micro-batch's forward + backward at the run's fixed B x T, the
-gradient clip's norms and verdicts, the optimizer update and the zeroing of the gradients, and the step's
-statistics gathered into one device vector (the loop copies it to the host as it does an eager step's).
-What stays outside: loading the tokens (copied into static input buffers before each replay), the
-learning rate (the optimizer set holds it as a device tensor that set_lr fills before each replay),
-validation (eval runs eagerly between replays), checkpoints (state_dict() returns views of the tensors the
-graph updates in place; a resume loads into them with copy_ before anything is captured).
-
-When: after WARMUP_STEPS eager steps on the side stream the capture then uses (torch's rule: autotuning,
-torch.compile's first calls, cuBLAS workspaces and lazily made optimizer state all happen there, never
-under capture). The replays compute what the eager steps compute, kernel for kernel, so a run with graphs
-equals one without bit for bit (tests/test_cuda_graph_gpu.py).
-
-decide() says whether a run captures, from the config and the device facts alone; blockers() lists what
-stands in the way: the CPU, more than one rank (the ZeRO collectives wait on NCCL work handles from Python
-and are not captured here), an optimizer set that keeps its learning rate on the host, and features that
-act from the host on one step (diag, fault_nan_grad) or are not verified under capture (model.fp8).
+decide() says whether a run captures, a pure function of the config and the device facts; blockers()
+lists what stands in the way. StepGraph holds the graph. Details (what is captured and what stays
+outside, the lr on the device, checkpoints): docs/architecture.md, section "blunb/cuda_graph.py".
 """
 
 from __future__ import annotations
