@@ -521,7 +521,12 @@ def _replay_step(run: _Run, step: int, t0: float, lrs: dict, val_loss: float | N
     for micro in range(run.accum):
         run.graph.load(micro, *run.train_loader.next_batch())
     if not run.graph.captured:
-        run.graph.capture(lambda inputs: _captured_body(run, inputs))
+        try:
+            run.graph.capture(lambda inputs: _captured_body(run, inputs))
+        except Exception as err:  # an op that cannot be captured: the optimizer's host bookkeeping is mid-step now
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise TrainingError(f"cuda_graph: capturing the training step at step {step} failed "
+                                f"({type(err).__name__}: {first}); run it with cuda_graph=false") from err
         log.info(f"cuda_graph: the training step was captured at step {step}; every step from here on replays it")
     values, stats = run.graph.replay()
     if finish_previous is not None:
