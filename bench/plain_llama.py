@@ -10,6 +10,11 @@ global-norm clipping, one optimizer step per micro-batch of random tokens (throu
 depend on the data). Prints and writes one JSON row: ms/step, tok/s, MFU (causal and PaLM, by
 blunb's MFU meter, so both sides share one FLOP count) and peak allocated memory.
 
+`--cuda-graph` (with --compile: plain_compile_graph): the whole step in one CUDA graph, as torch's docs show
+whole-network capture: the compiled forward and backward, the clip, torch's fused AdamW with capturable=True
+and the gradients zeroed in place, captured after the warm-up steps (run on a side stream) and replayed; the
+random tokens are drawn into a static buffer before each replay.
+
 `--fp8 tensorwise|rowwise`: the body's Linears converted as torchao's float8 training README shows,
 convert_to_float8_training with the recipe's Float8LinearConfig (the one model.fp8 uses) and a filter
 that keeps lm_head out, before torch.compile; the fp32 parameters under autocast stay as they are.
@@ -118,13 +123,35 @@ def convert_to_fp8(model: PlainLlama, recipe: str) -> int:
     return len(names)
 
 
-def variant_name(compile_model: bool, fp8: str) -> str:
-    return ("plain_compile" if compile_model else "plain_eager") + ("" if fp8 == "off" else f"-fp8-{fp8}")
+def variant_name(compile_model: bool, fp8: str, cuda_graph: bool = False) -> str:
+    return (("plain_compile" if compile_model else "plain_eager") + ("_graph" if cuda_graph else "")
+            + ("" if fp8 == "off" else f"-fp8-{fp8}"))
+
+
+def graphed(step, new_batch, warmup: int):
+    """`step` (queues one training step on static inputs) captured as a CUDA graph after `warmup` runs on a side
+    stream (torch's rule); returns the replaying step: new_batch(), then the replay, returning step's output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            new_batch()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    def replay():
+        new_batch()
+        graph.replay()
+        return out
+    return replay
 
 
 def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B: int | None = None,
                T: int | None = None, lr: float = 6e-4, profile_steps: int = 0, profile_to: Path | None = None,
-               fp8: str = "off") -> dict:
+               fp8: str = "off", cuda_graph: bool = False) -> dict:
     cfg = preset(preset_name)
     B, T = B or cfg.B, T or cfg.T
     device = torch.device("cuda")
@@ -132,23 +159,35 @@ def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B
     torch.backends.cuda.matmul.allow_tf32 = True
     model = PlainLlama(cfg.model, device)
     fp8_linears = convert_to_fp8(model, fp8) if fp8 != "off" else 0
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True,
+                            capturable=cuda_graph)
     fwd = torch.compile(model) if compile_model else model
     gen = torch.Generator(device=device).manual_seed(0)
+    idx = torch.empty((B, T + 1), dtype=torch.long, device=device)
 
-    def step():
-        idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device, generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def new_batch():
+        torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device, generator=gen, out=idx)
+
+    def train_step():
+        # a captured autocast region must not keep its cast cache across replays (torch's CUDA-graph notes)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cuda_graph):
             loss = fwd(idx[:, :-1], idx[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not cuda_graph)   # a graph zeroes its static gradients in place
         return loss
 
+    def step():
+        new_batch()
+        return train_step()
+
     t0 = time.perf_counter()
-    for _ in range(warmup):   # the first steps compile and autotune
-        step()
+    if cuda_graph:   # the warm-up steps run on the capture's side stream, then the capture
+        step = graphed(train_step, new_batch, warmup)
+    else:
+        for _ in range(warmup):   # the first steps compile and autotune
+            step()
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
@@ -167,7 +206,8 @@ def time_plain(preset_name: str, compile_model: bool, steps: int, warmup: int, B
         write_profile(prof, profile_steps, profile_to.parent, prefix=profile_to.stem)
     meter = MFUMeter.build(cfg.model, seq_len=T, world_size=1, device_name=torch.cuda.get_device_name(device))
     tokens = B * T
-    return {"variant": variant_name(compile_model, fp8), "preset": preset_name, "fp8": fp8, "fp8_linears": fp8_linears,
+    return {"variant": variant_name(compile_model, fp8, cuda_graph), "preset": preset_name, "fp8": fp8,
+            "fp8_linears": fp8_linears, "cuda_graph": cuda_graph,
             "B": B, "T": T, "ms_per_step": dt * 1e3, "tok_per_s": tokens / dt, "mfu_causal": meter.mfu(dt, tokens),
             "mfu_palm": meter.mfu_palm(dt, tokens), "peak_mem_gib": peak,
             "warmup_s": warm_s, "timed_steps": steps, "final_loss": float(loss.detach()), "num_params":
@@ -183,12 +223,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--fp8", default="off", choices=["off", *FP8_RECIPES],
                     help="convert the body's Linears with torchao's float8 training recipe (needs torchao)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture the whole step (forward, backward, clip, fused AdamW capturable=True, zero_grad) as "
+                         "one CUDA graph and replay it")
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="then profile this many steps: <json stem>-profile.csv / -profile_kernels.csv beside it")
     args = ap.parse_args()
     row = time_plain(args.preset, args.compile, args.steps, args.warmup, profile_steps=args.profile_steps,
-                     profile_to=Path(args.json).with_name(Path(args.json).stem + "-profile"), fp8=args.fp8)
+                     profile_to=Path(args.json).with_name(Path(args.json).stem + "-profile"), fp8=args.fp8,
+                     cuda_graph=args.cuda_graph)
     log.info(json.dumps(row))
     Path(args.json).write_text(json.dumps(row))
 

@@ -7,7 +7,13 @@ all in one call on one GPU: tokens/s, MFU (causal and PaLM), peak memory and the
     PYTHONPATH=. python3 bench/speed.py --presets 1b --baselines compile --blunb adamw=optimizer=adamw \
         --fp8 tensorwise,rowwise --out /tmp/speed_fp8.csv     # needs torchao (pyproject's fp8 extra)
 
-Baselines: bench/plain_llama.py (plain_eager, plain_compile). blunb rows are real `blunb.train`
+    PYTHONPATH=. python3 bench/speed.py --presets 124m --baselines compile,compile_graph \
+        --blunb adamw=optimizer=adamw --blunb muon=optimizer=muon --cuda-graph both --out /tmp/speed_graph.csv
+
+Baselines: bench/plain_llama.py (plain_eager, plain_compile, and plain_compile_graph: plain compile with the
+whole step in one CUDA graph). `--cuda-graph both` runs every blunb variant twice, as <name>-graph
+(cuda_graph=true) and <name>-nograph (cuda_graph=false); `given` (the default) runs each as its overrides
+say (cuda_graph=auto unless they set it: on for one CUDA rank). blunb rows are real `blunb.train`
 runs at the preset's micro-batch with one optimizer step per micro-batch (global_batch = B x T),
 no validation or checkpoints inside the timed steps. Every process is separate, so one's peak
 memory and compile caches do not leak into the next; the CSV is rewritten after every row, so a
@@ -78,12 +84,13 @@ def _profile(csv: Path, preset_name: str, variant: str) -> list[dict]:
 
 
 def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, profile_steps: int,
-               work: Path, fp8: str = "off") -> tuple[dict, list[dict]]:
-    name = variant_name(compile_model, fp8)
+               work: Path, fp8: str = "off", cuda_graph: bool = False) -> tuple[dict, list[dict]]:
+    name = variant_name(compile_model, fp8, cuda_graph)
     out = work / f"{name}-{preset_name}.json"
     cmd = [sys.executable, "bench/plain_llama.py", "--preset", preset_name, "--steps", str(steps),
            "--warmup", str(warmup), "--json", str(out), "--profile-steps", str(profile_steps), "--fp8", fp8]
-    if subprocess.run(cmd + (["--compile"] if compile_model else [])).returncode != 0 or not out.exists():
+    cmd += (["--compile"] if compile_model else []) + (["--cuda-graph"] if cuda_graph else [])
+    if subprocess.run(cmd).returncode != 0 or not out.exists():
         return {"variant": name, "preset": preset_name, "status": "failed", "fp8": fp8}, []
     row = json.loads(out.read_text())
     return {**row, "status": "ok", "kind": "baseline"}, _profile(out.with_name(out.stem + "-profile.csv"),
@@ -146,6 +153,8 @@ def _with_ratios(rows: list[dict]) -> pd.DataFrame:
     ok = table[table["status"] == "ok"]
     base = ok[ok["variant"] == "plain_compile"].set_index("preset")
     table["tok_per_s_vs_plain_compile"] = table["tok_per_s"] / table["preset"].map(base["tok_per_s"])
+    graphed = ok[ok["variant"] == "plain_compile_graph"].set_index("preset")
+    table["tok_per_s_vs_plain_compile_graph"] = table["tok_per_s"] / table["preset"].map(graphed["tok_per_s"])
     table["mem_vs_plain_compile"] = table["peak_mem_gib"] / table["preset"].map(base["peak_mem_gib"])
     same = ok[ok["variant"] == ok["fp8"].map(lambda f: variant_name(True, f))].set_index(["preset", "fp8"])
     key = pd.MultiIndex.from_frame(table[["preset", "fp8"]])
@@ -166,8 +175,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures (compile, autotune)")
     ap.add_argument("--blunb", action="append", metavar="NAME=K=V,K=V",
                     help="a blunb variant (repeatable); default: " + ", ".join(DEFAULT_BLUNB))
-    ap.add_argument("--baselines", default="compile,eager",
-                    help="which plain baselines to run: compile, eager, both (default) or none")
+    ap.add_argument("--baselines", default="compile,compile_graph,eager",
+                    help="which plain baselines to run, comma-separated: compile, compile_graph (the whole step in one "
+                         "CUDA graph), eager (default: all three) or none")
+    ap.add_argument("--cuda-graph", choices=("given", "both"), default="given",
+                    help="both: every blunb variant as <name>-graph (cuda_graph=true) and <name>-nograph "
+                         "(cuda_graph=false) in this call; given: as its overrides say")
     ap.add_argument("--fp8", default="",
                     help="comma-separated model.fp8 recipes (tensorwise, rowwise): per recipe the plain baselines "
                          "converted with it and the blunb row adamw-fp8-<recipe> (needs torchao)")
@@ -179,6 +192,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/speed.py measures GPU throughput: no CUDA device here")
     variants = dict(v.split("=", 1) for v in args.blunb) if args.blunb else dict(DEFAULT_BLUNB)
+    if args.cuda_graph == "both":
+        variants = {f"{name}-{arm}": f"{spec},cuda_graph={str(arm == 'graph').lower()}"
+                    for name, spec in variants.items() for arm in ("graph", "nograph")}
     recipes = [r for r in args.fp8.split(",") if r]
     unknown = [r for r in recipes if r not in FP8_RECIPES]
     if unknown:
@@ -194,14 +210,16 @@ def main() -> None:
     profiles: list[dict] = []
     profile_csv = out.with_name(out.stem + "_profile.csv")
     for preset_name in args.presets.split(","):
-        modes = [mode == "compile" for mode in ("compile", "eager") if mode in args.baselines.split(",")]
-        jobs = [("plain", (compiled, fp8)) for fp8 in ("off", *recipes) for compiled in modes]
+        modes = [(mode != "eager", mode == "compile_graph") for mode in ("compile", "compile_graph", "eager")
+                 if mode in args.baselines.split(",")]
+        jobs = [("plain", (compiled, fp8, graph)) for fp8 in ("off", *recipes) for compiled, graph in modes
+                if not (graph and fp8 != "off")]
         jobs += [(name, spec) for name, spec in variants.items()]
         for name, spec in jobs:
             t0 = time.perf_counter()
             if name == "plain":
                 row, prof = _plain_row(preset_name, spec[0], args.steps - args.warmup, args.warmup, args.profile_steps,
-                                       work, fp8=spec[1])
+                                       work, fp8=spec[1], cuda_graph=spec[2])
             else:
                 row, prof = _blunb_row(preset_name, name, _overrides(spec), args.steps, args.warmup,
                                        args.profile_steps, work)
@@ -213,8 +231,8 @@ def main() -> None:
                 pd.DataFrame(profiles).to_csv(profile_csv, index=False)
             log.info("%s %s: %s", preset_name, row["variant"], table.iloc[-1].to_dict())
     cols = ["preset", "variant", "fp8", "status", "ms_per_step", "tok_per_s", "mfu_causal", "mfu_palm", "peak_mem_gib",
-            "tok_per_s_vs_plain_compile", "mem_vs_plain_compile", "tok_per_s_vs_plain_compile_same_fp8",
-            "tok_per_s_vs_blunb_bf16"]
+            "tok_per_s_vs_plain_compile", "tok_per_s_vs_plain_compile_graph", "mem_vs_plain_compile",
+            "tok_per_s_vs_plain_compile_same_fp8", "tok_per_s_vs_blunb_bf16"]
     log.info("\n%s", _with_ratios(rows).reindex(columns=cols).to_string(index=False))
     if profiles:
         _plot_profiles(pd.DataFrame(profiles), profile_csv.with_suffix(".png"), facts)

@@ -69,7 +69,8 @@ OPTIONAL_SEEDS = ("data_seed", "init_seed")
 # What a config.json without a field was run with, where that is not today's default or may stop being it: such
 # a run must not pass for one of today's (TrainConfig.from_dict, the study cache). "model" holds ModelConfig's.
 # muon_ns_schedule: every run before the field ran the fixed coefficients, whatever the default becomes.
-PREDATED = {"data_order": "shards", "compile": False, "muon_ns_schedule": "fixed", "model": {"chunked_ce": False}}
+PREDATED = {"data_order": "shards", "compile": False, "muon_ns_schedule": "fixed", "cuda_graph": False,
+            "model": {"chunked_ce": False}}
 
 
 def _merged(under: dict, over: dict) -> dict:
@@ -88,6 +89,9 @@ def predated_defaults() -> dict:
 # fastest setting measured on the H200 (compile with the chunked loss: 1.026x plain torch.compile's tok/s at
 # 124m, 1.031x at 1b, results/bench/); on the CPU both are off (the eager path: compiling is not timed there).
 AUTO_SWITCHES = ("compile", "model.chunked_ce")
+# Settings that take true, false or auto where more than the device decides auto: cuda_graph (blunb.cuda_graph.decide,
+# which also reads the world size and the other settings).
+AUTO_VALUED = (*AUTO_SWITCHES, "cuda_graph")
 
 
 def auto_switch(value, device_type: str) -> bool:
@@ -235,6 +239,12 @@ class TrainConfig:
     # CUBLAS_WORKSPACE_CONFIG, cuDNN deterministic, fixed Triton kernel configs and no timed backend choice
     # (blunb.train applies and records the knobs; docs/architecture.md). Costs some speed.
     deterministic: bool = False
+    # The steady-state training step (every micro-batch's forward + backward, the clip, the optimizer update) captured
+    # once as a CUDA graph and replayed (blunb/cuda_graph.py): true | false | auto (on where it is supported: CUDA,
+    # world size 1, the ZeRO AdamW or Muon set; the start lines say what was picked and why). Default false until
+    # tests/test_cuda_graph_gpu.py has passed on a GPU (it has not run on one yet): an unverified capture must not be
+    # what every single-GPU run gets without asking; auto is the intended default once it has.
+    cuda_graph: bool | str = False
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
     ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
     ckpt_keep: int = 2              # the newest this many valid checkpoints are kept
@@ -290,6 +300,11 @@ class TrainConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         _check_switch("compile", self.compile)
+        _check_switch("cuda_graph", self.cuda_graph)
+        if self.cuda_graph is True:
+            from blunb.cuda_graph import check
+
+            check(self, None if self.device == "auto" else self.device, world_size)
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"deterministic must be true or false, got {self.deterministic!r}")
         _check_lr_pair("max_lr", self.max_lr, "min_lr", self.min_lr)
@@ -509,7 +524,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         try:
             if target is cfg and name in OPTIONAL_SEEDS:  # None by default: the type is not in the value
                 value = None if raw.lower() == "none" else _parse_value(raw, 0)
-            elif (name if target is cfg else f"model.{name}") in AUTO_SWITCHES:  # a bool, or "auto"
+            elif (name if target is cfg else f"model.{name}") in AUTO_VALUED:  # a bool, or "auto"
                 if raw.lower() not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
                     raise ConfigError(f"expected true, false or auto, got {raw!r}")
                 value = "auto" if raw.lower() == "auto" else _parse_value(raw, False)

@@ -84,6 +84,9 @@ def start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]
     lines.append("kernels: " + " ".join(f"{op}={b}" for op, b in facts["kernels"].items()))
     if facts.get("auto_settings"):
         lines.append(auto_settings_line(facts["auto_settings"], run.device.type))
+    if "cuda_graph" in facts:
+        g = facts["cuda_graph"]
+        lines.append(f"cuda_graph: {'on' if g['on'] else 'off'} ({g['why']})")
     lines += determinism_lines(facts["determinism"])
     lines.append(f"data: {data_dir} ({meta.get('tokenizer')}, {meta.get('train_tokens', '?')} train tokens); "
                  f"validation: {run.val_set.n_seq * cfg.T:,} tokens split over {run.world_size} rank(s)")

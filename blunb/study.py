@@ -37,7 +37,7 @@ from typing import Any
 import pandas as pd
 
 from blunb.cli import prog_name
-from blunb.config import AUTO_SWITCHES, ConfigError, predated_defaults
+from blunb.config import AUTO_VALUED, ConfigError, predated_defaults
 from blunb.launch import check_train_args, parse_failure, torchrun_command
 from blunb.runs import (
     GPU_SHARE_ENV,
@@ -512,11 +512,11 @@ def _with_new_fields(stored: dict, default: dict) -> dict:
 
 
 def _as_planned_auto(stored: dict, planned: dict) -> dict:
-    """`stored` with each config.AUTO_SWITCHES setting that the plan leaves at "auto" read as "auto": the
+    """`stored` with each config.AUTO_VALUED setting that the plan leaves at "auto" read as "auto": the
     run's device decided it (config.json records what it became), and on or off the run computes the same
     math; an explicit value in the plan must match."""
     out = {**stored, "model": dict(stored.get("model", {}))}
-    for name in AUTO_SWITCHES:
+    for name in AUTO_VALUED:
         *parent, key = name.split(".")
         plan_part, out_part = (planned.get("model", {}), out["model"]) if parent else (planned, out)
         if plan_part.get(key) == "auto" and key in out_part:

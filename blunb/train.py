@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blunb import checkpoint, fp8, kernels, memory
+from blunb import checkpoint, cuda_graph, fp8, kernels, memory
 from blunb.cli import prog_name
 from blunb.config import ConfigError, TrainConfig, apply_overrides, preset, settings_help
 from blunb.data import (
@@ -254,6 +254,7 @@ class _Run:
     covered_frac: float
     faults: Faults
     diag: object | None = None       # blunb.diag.Diagnostics with diag=true
+    graph: cuda_graph.StepGraph | None = None   # the captured step, with cuda_graph on
     previous: Path | None = None     # an earlier run's files, removed after the first metrics row
     start: float = 0.0
     step: int = 0                    # the step the loop is at (a stopped run's error names it)
@@ -305,12 +306,17 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
 
         diag = Diagnostics(model, rank, world_size)
     opt = build_optimizers(model, cfg, device, world_size)
+    graph_decision = cuda_graph.decide(cfg, device.type, world_size)
+    graph_setting, cfg.cuda_graph = cfg.cuda_graph, graph_decision.on   # config.json records what ran
+    if graph_decision.on:
+        opt.keep_lr_on_device()
     accum = cfg.grad_accum_steps(world_size)
     meter = MFUMeter.build(cfg.model, seq_len=cfg.T, world_size=world_size, warmup_steps=cfg.mfu_warmup,
                            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     facts = run_facts(cfg, model, opt, device)
     facts["determinism"] = (determinism or Determinism(cfg)).facts()
     facts["auto_settings"] = auto_settings
+    facts["cuda_graph"] = graph_decision.facts(graph_setting)
     facts["data"] = {**train_loader.describe(), "data_seed": cfg.resolved_data_seed(), "init_seed": init_seed}
     clip = facts["optimizer"]["clip"]
     run = _Run(cfg=cfg, run_dir=run_dir, rank=rank, world_size=world_size, device=device, model=model, opt=opt,
@@ -319,7 +325,8 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
                scalar_group=dist.new_group(timeout=timedelta(seconds=cfg.collective_timeout_s))
                if world_size > 1 else None, accum=accum,
                tokens_per_step=cfg.B * cfg.T * accum * world_size,
-               covered_frac=clip["covered_params"] / max(clip["total_params"], 1), faults=Faults(cfg), diag=diag)
+               covered_frac=clip["covered_params"] / max(clip["total_params"], 1), faults=Faults(cfg), diag=diag,
+               graph=cuda_graph.StepGraph(device) if graph_decision.on else None)
     run.processes = _all_processes(world_size)
     saved = _resume_state(run, resume_from) if resume_from is not None else None
 
@@ -439,7 +446,7 @@ class _PendingStep:
     last_val: float | None          # the latest validation loss when the step ran
     stats: StepStats
     scalars: _HostCopy
-    opt_timer: _OptTimer
+    opt_timer: _OptTimer | None      # None for a replayed step (the update is inside the graph)
     peak_mem_gib: float | None      # the step's own peak allocation (CUDA), not the run's so far
     end: float = 0.0
 
@@ -447,13 +454,30 @@ class _PendingStep:
 
 def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=None) -> _PendingStep:
     """Queue one optimizer step (accum micro-batches); `finish_previous` runs once the first
-    backward is queued, so reading the previous step's scalars never idles the device."""
+    backward is queued, so reading the previous step's scalars never idles the device. With
+    cuda_graph on: the first steps run eagerly on the capture's stream, then the step is captured
+    once and replayed (blunb.cuda_graph)."""
     t0 = time.perf_counter()
     if run.device.type == "cuda":
         # the allocator's statistics are host-side: this costs no sync; compile, autotuning and
         # validation between steps then stay out of every step's peak
         torch.cuda.reset_peak_memory_stats(run.device)
     lrs = run.opt.set_lr(step)
+    if run.graph is not None and (run.graph.captured or run.graph.capture_due()):
+        return _replay_step(run, step, t0, lrs, val_loss, finish_previous)
+    with run.graph.warmup() if run.graph is not None else contextlib.nullcontext():
+        return _eager_step(run, step, t0, lrs, val_loss, finish_previous)
+
+
+def _forward_backward(run: _Run, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+    """One micro-batch's forward and backward; returns its loss (detached, fp32)."""
+    with run.opt.micro_step(last=last):
+        _, loss = run.opt.forward_model(x, y)
+        (loss / run.accum).backward()
+    return loss.detach().float()
+
+
+def _eager_step(run: _Run, step: int, t0: float, lrs: dict, val_loss: float | None, finish_previous):
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
         if micro == 0:
@@ -461,12 +485,10 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
         origin = run.train_loader.where()
         x, y = run.train_loader.next_batch()
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
-        with run.opt.micro_step(last=micro == run.accum - 1):
-            _, loss = run.opt.forward_model(x, y)
-            (loss / run.accum).backward()
-        loss_sum += loss.detach().float() / run.accum
+        loss = _forward_backward(run, x, y, last=micro == run.accum - 1)
+        loss_sum += loss / run.accum
         if run.diag is not None:
-            run.diag.record_micro(loss.detach(), origin)
+            run.diag.record_micro(loss, origin)
         if micro == 0 and finish_previous is not None:
             finish_previous()
     work = dist.all_reduce(loss_sum, group=run.scalar_group, async_op=True) if run.world_size > 1 else None
@@ -482,6 +504,36 @@ def train_step(run: _Run, step: int, val_loss: float | None, finish_previous=Non
     scalars = _HostCopy(torch.cat([loss_sum.reshape(1), stats.values()]))
     peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
     return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, scalars, opt_timer, peak)
+
+
+def _captured_body(run: _Run, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, StepStats]:
+    """What the graph holds (world size 1: no loss all-reduce): the eager step's math on the static inputs, its
+    scalars gathered as the eager step gathers them."""
+    loss_sum = torch.zeros((), device=run.device)
+    for micro, (x, y) in enumerate(inputs):
+        loss_sum += _forward_backward(run, x, y, last=micro == run.accum - 1) / run.accum
+    stats = run.opt.step()
+    return torch.cat([loss_sum.reshape(1), stats.values()]), stats
+
+
+def _replay_step(run: _Run, step: int, t0: float, lrs: dict, val_loss: float | None, finish_previous):
+    """The step as a replay of the captured graph (captured first, at the first step due)."""
+    for micro in range(run.accum):
+        run.graph.load(micro, *run.train_loader.next_batch())
+    if not run.graph.captured:
+        try:
+            run.graph.capture(lambda inputs: _captured_body(run, inputs))
+        except Exception as err:  # an op that cannot be captured: the optimizer's host bookkeeping is mid-step now
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise TrainingError(f"cuda_graph: capturing the training step at step {step} failed "
+                                f"({type(err).__name__}: {first}); run it with cuda_graph=false") from err
+        log.info(f"cuda_graph: the training step was captured at step {step}; every step from here on replays it")
+    values, stats = run.graph.replay()
+    if finish_previous is not None:
+        finish_previous()
+    peak = torch.cuda.max_memory_allocated(run.device) / 2**30
+    # no optimizer timing: the update runs inside the graph
+    return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, _HostCopy(values), None, peak)
 
 
 def finish_step(run: _Run, p: _PendingStep) -> None:
@@ -517,7 +569,8 @@ def _metrics_row(run: _Run, p: _PendingStep, train_loss: float, rec: StepRecord,
     row = {"step": p.step, "train_loss": train_loss, "val_loss": p.val_loss, "tok_per_sec": tps / dt,
            "grad_norm": rec.grad_norm, "dt_ms": dt * 1e3, "lr": p.lrs["lr"], "elapsed_min": (p.end - run.start) / 60,
            "mfu": meter.mfu(dt, tps), "mfu_palm": meter.mfu_palm(dt, tps),
-           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps), "opt_step_ms": p.opt_timer.ms(),
+           "tflops_per_gpu": meter.tflops_per_gpu(dt, tps),
+           "opt_step_ms": p.opt_timer.ms() if p.opt_timer is not None else None,
            "tokens": (p.step + 1) * tps, "grad_accum": run.accum, "skipped": int(rec.skipped),
            "last_val_loss": p.last_val, "lr_muon": p.lrs.get("lr_muon"), "clip_covered_frac": run.covered_frac,
            "global_clip_coef": rec.scalars.get("global_clip_coef"), "ns_rejected": rec.scalars.get("ns_rejected"),
@@ -615,6 +668,7 @@ def _preflight(cfg: TrainConfig, run_dir: Path, overwrite: bool, world_size: int
     cfg.validate(world_size)
     check_run_dir(run_dir, overwrite)
     device = _pick_device(cfg, local_rank)
+    cuda_graph.check(cfg, device.type, world_size)
     gpu_sharing(device)  # a bad BLUNB_RUNS_PER_GPU stops here; env.json records it once the run is built
     if cfg.kernels != "auto":
         os.environ["BLUNB_KERNELS"] = cfg.kernels
@@ -909,6 +963,7 @@ def _start_ranks(cfg: TrainConfig, nproc: int, argv: list[str]) -> None:
         return
     cfg.validate(world_size=nproc)
     device = _pick_device(cfg, 0)
+    cuda_graph.check(cfg, device.type, nproc)
     if cfg.model.fp8 != "off":
         fp8.check(cfg.model.fp8, device)
     memory.check(cfg, nproc, device, local_ranks=nproc)

@@ -37,6 +37,16 @@ def test_each_row_is_measured_against_the_baselines_of_its_own_preset_and_fp8():
     assert math.isnan(table.loc[("1b", "adamw-fp8-tensorwise"), "tok_per_s_vs_plain_compile_same_fp8"])
 
 
+def test_rows_are_measured_against_the_whole_step_graph_baseline_where_the_call_ran_it():
+    table = _with_ratios([{"preset": p, "variant": v, "status": "ok", "tok_per_s": t, "peak_mem_gib": 1.0}
+                          for p, v, t in [("124m", "plain_compile", 100.0), ("124m", "plain_compile_graph", 125.0),
+                                          ("124m", "adamw-graph", 150.0), ("1b", "plain_compile", 10.0),
+                                          ("1b", "adamw-graph", 11.0)]]).set_index(["preset", "variant"])
+    assert table.loc[("124m", "adamw-graph"), "tok_per_s_vs_plain_compile_graph"] == pytest.approx(1.2)
+    assert table.loc[("124m", "plain_compile"), "tok_per_s_vs_plain_compile_graph"] == pytest.approx(0.8)
+    assert math.isnan(table.loc[("1b", "adamw-graph"), "tok_per_s_vs_plain_compile_graph"])   # none ran for 1b
+
+
 def test_rows_from_before_the_fp8_column_read_as_off():
     table = _with_ratios([{"preset": "1b", "variant": "plain_compile", "status": "ok", "tok_per_s": 100.0,
                            "peak_mem_gib": 10.0},

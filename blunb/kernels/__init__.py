@@ -154,7 +154,7 @@ def adamw_block_table(segments: list[tuple[int, int, int, int, bool]], device) -
     return _fused("adamw").block_table(segments, device)
 
 
-def adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, *, lr: float, beta1: float,
+def adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, *, lr, beta1: float,
                   beta2: float, eps: float, weight_decay: float, grad_scale, found_inf, backend: str | None = None):
     """One AdamW step in place over a ZeRO-1 shard (reference.adamw_update_ says what, fused/adamw.py how):
     the fp32 master and moments from the flat gradient, the flat weights from the master. The op is "adamw"

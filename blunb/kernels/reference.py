@@ -116,7 +116,8 @@ def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch
     g = grad / grad_scale, t = steps[param] (already advanced) and wd = weight_decay where the block decays:
     p -= lr * wd * p; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
     p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps); param = p. Nothing is written when
-    found_inf is nonzero (grad_scale, found_inf: 0-dim fp32 tensors)."""
+    found_inf is nonzero (grad_scale, found_inf: 0-dim fp32 tensors). lr: a float or a 0-dim device tensor."""
+    lr = lr.float() if isinstance(lr, torch.Tensor) else lr
     lens = table["len"].long()
     shard = torch.repeat_interleave(table["shard"], lens)
     flat = torch.repeat_interleave(table["flat"], lens)

@@ -146,6 +146,7 @@ class ZeroOptimizers:
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int, muon: bool = False):
         self.cfg = cfg
+        self.device = device
         self.forward_model = model
         self.world_size = world_size
         adamw_params = list(model.parameters())
@@ -214,9 +215,22 @@ class ZeroOptimizers:
         lrs = {}
         for name, opt, (hi, lo) in self.groups:
             lr = wsd_lr(step, hi, lo, c.warmup_steps, c.max_steps, c.stable_steps)
-            opt.param_groups[0]["lr"] = lr
+            held = opt.param_groups[0]["lr"]
+            if isinstance(held, torch.Tensor):
+                held.fill_(lr)  # queued on the stream: a replay after it reads this step's value
+            else:
+                opt.param_groups[0]["lr"] = lr
             lrs["lr_muon" if name == "muon" else "lr"] = lr
         return lrs
+
+    def keep_lr_on_device(self) -> None:
+        """From now on hold each group's lr as a 0-dim fp64 device tensor that set_lr fills in place, so a captured
+        step (blunb.cuda_graph) reads each step's value, not the one it was captured with. fp64: the optimizers
+        derive from it on the device exactly what they derive from a host float (schedule.as_fp32)."""
+        for _, opt, _ in self.groups:
+            lr = opt.param_groups[0]["lr"]
+            if not isinstance(lr, torch.Tensor):
+                opt.param_groups[0]["lr"] = torch.full((), lr, dtype=torch.float64, device=self.device)
 
     def step(self) -> StepStats:
         c = self.cfg

@@ -40,6 +40,7 @@ from blunb.optim.layout import (
     stage_waits,
 )
 from blunb.optim.newton_schulz import NewtonSchulz
+from blunb.optim.schedule import as_fp32
 from blunb.optim.state import check_state_kind, local_piece, sharded_tensor, state_keys
 
 log = logging.getLogger(__name__)
@@ -581,8 +582,9 @@ class ShardedMuon(torch.optim.Optimizer):
                                                      0.0).amax())
             apply = (good & keep & has_grad)[:, None, None]
             U.masked_fill_(~apply, 0.0)  # in place (NS allows it): a rejected U may hold NaN, and 0 * NaN = NaN
-            sg.master.mul_(torch.where(apply, 1.0 - lr * wd, 1.0))
-            sg.master.addcmul_(U, torch.where(apply, sg.ratio_t[:, None, None] * -lr, 0.0))
+            # lr: a host float or, in a captured step, an fp64 device scalar: as_fp32 makes both the same bits
+            sg.master.mul_(torch.where(apply, as_fp32(1.0 - lr * wd), 1.0))
+            sg.master.addcmul_(U, torch.where(apply, sg.ratio_t[:, None, None] * as_fp32(-lr), 0.0))
         return rejected, ratio
 
     def _aux_adamw_step(self, coef: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -592,7 +594,7 @@ class ShardedMuon(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         keep = (~found_inf).float()
         # Device-side step counts and factors: a skipped step (keep = 0) changes nothing.
-        lr_t = keep * lr
+        lr_t = keep * as_fp32(lr)
         w1 = keep * (1 - beta1)
         b2 = 1 - keep * (1 - beta2)
         decay = 1 - lr_t * wd

@@ -168,6 +168,8 @@ class NewtonSchulz:
             slot.syrk = self._choose_syrk(stage)  # autotunes here, eagerly, never under capture
         if not (self.graphs and stage.is_cuda) or slot.eager_only or slot.calls == 1:
             return self._ns(stage, slot.syrk)
+        if torch.cuda.is_current_stream_capturing():  # inside a captured training step: its kernels join that graph
+            return self._ns(stage, slot.syrk)
         if slot.graph is None:
             self._capture(slot)
             if slot.graph is None:

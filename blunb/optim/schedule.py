@@ -24,3 +24,10 @@ def wsd_lr(step: int, max_lr: float, min_lr: float, warmup: int, max_steps: int,
     if not 0.0 <= decay_ratio <= 1.0:
         raise ValueError(f"step {step} is past the schedule's last step {max_steps - 1}")
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (max_lr - min_lr)
+
+
+def as_fp32(value):
+    """A learning-rate term as an fp32 kernel sees it: a host float as it is (a kernel rounds its scalars to the
+    fp32 it computes in), a device scalar (a captured step's lr, fp64) rounded to fp32 on the device, so both
+    give the same bits. Compute the term in fp64 first (1 - lr * wd on the host is fp64 arithmetic too)."""
+    return value.float() if hasattr(value, "float") else value

@@ -25,10 +25,13 @@ BLOCK = 128 if interpreting() else 4096
 @triton.jit
 def _adamw_update(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, steps_ptr,
                   blk_shard_ptr, blk_flat_ptr, blk_len_ptr, blk_param_ptr, blk_decays_ptr,
-                  grad_scale_ptr, found_inf_ptr, lr, beta1, beta2, eps, weight_decay, BLOCK: tl.constexpr):
+                  grad_scale_ptr, found_inf_ptr, lr, lr_ptr, beta1, beta2, eps, weight_decay,
+                  LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if tl.load(found_inf_ptr) != 0:
         return
+    if LR_ON_DEVICE:  # a captured step's lr (fp64): rounded to the fp32 a host float argument becomes
+        lr = tl.load(lr_ptr).to(tl.float32)
     shard = tl.load(blk_shard_ptr + pid)
     flat = tl.load(blk_flat_ptr + pid)
     n = tl.load(blk_len_ptr + pid)
@@ -69,18 +72,21 @@ def block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict
 
 
 def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                  param: torch.Tensor, steps: torch.Tensor, table: dict[str, torch.Tensor], *, lr: float,
+                  param: torch.Tensor, steps: torch.Tensor, table: dict[str, torch.Tensor], *, lr,
                   beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: torch.Tensor,
                   found_inf: torch.Tensor) -> None:
     """One AdamW step over every block of `table`, in place: master, exp_avg, exp_avg_sq (fp32 shard,
     1-D), and param (the flat weights, 1-D) from grad (the flat reduced gradient, 1-D, any float
     dtype). steps: fp32 per-parameter step counts, already advanced for this step; grad_scale and
-    found_inf: 0-dim fp32 device tensors (read there: no host sync)."""
+    found_inf: 0-dim fp32 device tensors (read there: no host sync). lr: a float, or a 0-dim device tensor (read
+    there: a captured step's, blunb.cuda_graph) that gives the same bits as the float of its value."""
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"adamw_update_: {name} must be a contiguous fp32 tensor")
     n_blocks = table["shard"].numel()
+    on_device = isinstance(lr, torch.Tensor)
     if n_blocks:
         _adamw_update[(n_blocks,)](master, exp_avg, exp_avg_sq, grad, param, steps, table["shard"], table["flat"],
                                    table["len"], table["param"], table["decays"], grad_scale, found_inf,
-                                   lr, beta1, beta2, eps, weight_decay, BLOCK=BLOCK, num_warps=8)
+                                   0.0 if on_device else lr, lr if on_device else found_inf, beta1, beta2, eps,
+                                   weight_decay, LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=8)
