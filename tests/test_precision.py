@@ -349,8 +349,9 @@ def test_fp8_arm_seeds_pair_the_fp8_arms_with_the_base_at_fp8_seeds():
 
 
 def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
-    """results/precision's runs predate the GPU-sharing record: rendered render_only (the README's parameters),
-    the claims are the committed ones byte for byte and no arm's step time is reported."""
+    """results/precision's runs predate the GPU-sharing record and the fp8 arms: rendered render_only (the README's
+    parameters), the committed claims render unchanged, the fp8 ones (declared since) n/a saying why, and no arm's
+    step time is reported."""
     shutil.copytree(REPO / "results" / "precision", tmp_path / "precision",
                     ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
     assert all(gpu_shared(load_run(d).env) is None for d in (tmp_path / "precision").glob("*-s*"))
@@ -362,7 +363,15 @@ def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
                           env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     folder = tmp_path / "precision"
-    assert (folder / "claims.csv").read_text() == (REPO / "results/precision/claims.csv").read_text()
+    committed = pd.read_csv(REPO / "results/precision/claims.csv", dtype=str, keep_default_na=False)
+    rendered = pd.read_csv(folder / "claims.csv", dtype=str, keep_default_na=False)
+    pd.testing.assert_frame_equal(rendered[rendered["id"].isin(committed["id"])].reset_index(drop=True), committed)
+    new = rendered[~rendered["id"].isin(committed["id"])]
+    assert new["id"].tolist() == ["prec.fp8_body_gemms_only", "prec.fp8_tensorwise_equivalent",
+                                  "prec.fp8_rowwise_equivalent"]
+    assert (new["result"] == "n/a").all() and (new["verdict"] == "n/a").all()
+    assert new["detail"].str.startswith("n/a: no fp8").all()
+    assert new["detail"].str.contains("fp8_arms=auto, render_only: off, the study folder holds no fp8 run").all()
     cost = pd.read_csv(folder / "cost.csv", index_col="arm")
     assert (cost["solo_runs"] == 0).all() and cost["tok_per_sec"].isna().all()
     assert cost["time_na"].str.contains("0 shared it, 2 have no record").all()
