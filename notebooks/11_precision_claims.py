@@ -7,22 +7,40 @@ bf16-logits loss-scalar note), the forward's output-projection comment (the [B,T
 cost) and main()'s BLU_ALL_BF16 wiring and its "[precision] bf16 logits ON" warning. A criterion
 changed after the runs is a visible diff of this file.
 
+The fp8 arms are not the reference's: it has no fp8. Their claims ask issue 30's question, what the body's
+GEMMs in float8 (model.fp8, torchao float8 training, tensorwise or rowwise scales) cost in loss against
+fp32_layout, the layout they change nothing else of; declared here before any fp8 run.
+
 Tolerances, stated once:
 - equivalence margin MARGIN_NATS = 0.02 nats of final val loss: the reference's run-to-run noise
   floor (0.019 nats, the clipping audit's), rounded up; under 1% of the 124m's final loss here;
-- min_seeds: the paired loss claims need the 4 seeds GPU_SCALE gives every arm; exact numbers
+- min_seeds: the paired loss claims need the 4 seeds GPU_SCALE gives every arm, the fp8 TOSTs the 6 it gives
+  fp32_layout and the fp8 arms (no fp8 pilot exists: more pairs against an unknown spread); exact numbers
   (a byte count, a grid spacing, an element count) need 1;
 - memory: the reference's "~3 GiB" read as the formula B*T*V*4 bytes within +-25%.
-Arms pair by seed: seed k of every arm uses data_seed k and init seed k.
+Arms pair by seed: seed k of every arm uses data_seed k and init seed k (fp32_layout's seeds 4 and 5 pair with
+the fp8 arms' only).
 """
 
 import math
 
 from blunb.claims import Claim
-from blunb.stats import pairs_for_tost
+from blunb.stats import pairs_for_tost, tost_power
+
+
+def _largest_sd(pairs: int, margin: float, power: float = 0.8) -> float:
+    """The largest paired sd at which `pairs` pairs give a TOST at `margin` `power` (true difference 0): bisection."""
+    lo, hi = 1e-6, margin
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tost_power(pairs, mid, margin) >= power else (lo, mid)
+    return lo
+
 
 MARGIN_NATS = 0.02
 LOSS_SEEDS = 4
+FP8_SEEDS = 6                     # fp32_layout and the fp8 arms
+FP8_ARMS = ("fp8_tensorwise", "fp8_rowwise")   # fp32_layout's settings + model.fp8=tensorwise|rowwise
 MEMORY_TOLERANCE = 0.25
 SEED_LR, SEED_WD = 6e-4, 0.1      # ModelConfig: max_lr, weight_decay
 SEED_LOSS_ULP = 0.0625            # bf16's spacing in [8, 16): the reference's loss near 10.8
@@ -30,10 +48,17 @@ SEED_LOSS_ULP = 0.0625            # bf16's spacing in [8, 16): the reference's l
 # a spread that rough): the pairs a TOST at MARGIN_NATS needs for 80% power at alpha 0.05 if it holds (2).
 PILOT_PAIRED_SD = 0.0026
 PAIRS_FOR_POWER = pairs_for_tost(PILOT_PAIRED_SD, MARGIN_NATS)
+# No fp8 pilot exists. At bf16_logits' pilot spread the fp8 TOSTs would need PAIRS_FOR_POWER pairs too; what
+# FP8_SEEDS pairs buy instead is room for a larger, unknown spread: the largest paired sd (true difference 0)
+# at which they still reach 80% power at alpha 0.05, and the power at the pilot's spread if fp8 costs half the margin.
+FP8_SD_FOR_POWER = round(_largest_sd(FP8_SEEDS, MARGIN_NATS), 4)
+FP8_POWER_HALF_MARGIN = tost_power(FP8_SEEDS, PILOT_PAIRED_SD, MARGIN_NATS, true_diff=MARGIN_NATS / 2)
 
 _BLOCK = "bluscript.cpp ModelConfig, 'activation / parameter precision' block"
 _MAIN = "bluscript.cpp main(): the BLU_ALL_BF16 wiring"
 _LOGITS = "bluscript.cpp forward, output-projection comment; main()'s '[precision] bf16 logits ON' warning"
+_FP8 = ("none: issue 30's question, what FP8 body GEMMs cost in loss (the reference has no fp8); blunb/fp8.py, "
+        "torchao float8 training")
 _descriptive = ("no claim of the reference; reported because the data shows it (a paired interval of final val "
                 "loss against fp32_layout)")
 
@@ -132,6 +157,19 @@ CLAIMS = [
           figure="none: what this study's data shows",
           statistic="paired difference of final val loss, all_bf16 - fp32_layout, seed k against seed k",
           test="diff_ci", na_reason=_descriptive),
+    Claim("prec.fp8_body_gemms_only",
+          source="(no claim of the reference) model.fp8 moves the body's Linear GEMMs to float8 and nothing else",
+          figure=_FP8,
+          statistic="fp8 arms whose recorded precision layout (env.json) differs from fp32_layout's anywhere but "
+                    "body_gemms, or whose body_gemms does not name the arm's recipe ('fp8 tensorwise' / 'fp8 rowwise')",
+          test="exact", band=(0, 0)),
+    *(Claim(f"prec.{arm}_equivalent",
+            source=f"(no claim of the reference) fp8 body Linears, torchao float8 training, "
+                   f"{arm.removeprefix('fp8_')} scales: inside the noise of final val loss",
+            figure=_FP8,
+            statistic=f"paired TOST of final val loss, {arm} - fp32_layout, seed k against seed k; margin "
+                      f"{MARGIN_NATS:g} nats",
+            test="tost", margin=MARGIN_NATS, min_seeds=FP8_SEEDS) for arm in FP8_ARMS),
 ]
 
 # What issue 31 runs on the H200. Every arm shares the schedule (the pairs need it); 2000 steps is
@@ -139,9 +177,15 @@ CLAIMS = [
 # reference's WSD schedule is 0.902 (9.8% smaller; 1.3% within the last 400 steps), which the fp32
 # master follows and the no-master arm's bf16 weights never see.
 # Only step time needs a GPU to itself: seed 0 of every arm trains alone (the notebook's first Study call),
-# the other 18 runs two per GPU, where a pair trains at nearly twice one run's throughput. Estimated from
-# ~44 GPU minutes for all 24 alone: 6 alone + 9 pairs, ~28. No claim reads time; peak memory is each
-# process's own allocation.
+# the other runs two per GPU, where a pair trains at nearly twice one run's throughput. No claim reads time;
+# peak memory is each process's own allocation. GPU time is an estimate from the 6 arms x 4 seeds plan's: ~44 GPU
+# minutes for its 24 runs alone, ~28 with 6 alone + 9 pairs, i.e. ~1.8 min a run alone and ~1.9 a pair; with the
+# fp8 arms 5 x 4 + 3 x 6 = 38 runs, 8 alone + 15 pairs: ~43 GPU minutes (~70 all alone), if an fp8 run takes as
+# long as a bf16 one (not measured yet: bench/speed.py --fp8 has not run on a GPU).
+SEEDS = {"fp32_layout": FP8_SEEDS, "bf16_resid": LOSS_SEEDS, "bf16_logits": LOSS_SEEDS, "bf16_embed": LOSS_SEEDS,
+         "all_bf16": LOSS_SEEDS, "no_fp32_master": LOSS_SEEDS, **{arm: FP8_SEEDS for arm in FP8_ARMS}}
+_ALONE_MIN, _PAIR_MIN = 44 / 24, (28 - 6 * 44 / 24) / 9
+_PAIRS = (sum(SEEDS.values()) - len(SEEDS)) // 2
 GPU_SCALE = {
     "preset": "124m",
     "device": "one NVIDIA H200: seed 0 of each arm alone (its step time and tok/s are the arm's time figures), the "
@@ -150,9 +194,19 @@ GPU_SCALE = {
     "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
     "tokens_per_step": 16384,   # one B16 x T1024 micro-batch: the logits formula's B*T = 16384
     "corpus": "site-packages code, bpe:16384 (blunb-data prepare --source site-packages --tokenizer bpe:16384)",
-    "arms": ["fp32_layout", "bf16_resid", "bf16_logits", "bf16_embed", "all_bf16", "no_fp32_master"],
-    "seeds_per_arm": LOSS_SEEDS,
-    "pairing": "seed k of every arm uses data_seed k",
+    "arms": list(SEEDS),
+    "seeds": SEEDS,
+    "runs": sum(SEEDS.values()),
+    "gpu_minutes": f"~{len(SEEDS) * _ALONE_MIN + _PAIRS * _PAIR_MIN:.0f}, an estimate ({len(SEEDS)} runs alone + "
+                   f"{_PAIRS} pairs at the bf16 plan's ~{_ALONE_MIN:.1f} min a run alone, ~{_PAIR_MIN:.1f} a pair; fp8 "
+                   "runs assumed as long as bf16 ones, not measured)",
+    "fp8": "model.fp8 needs compute capability >= 8.9 and torchao 0.18.0 (the fp8 extra) on the GPU machine; "
+           "compile on (the CUDA default), under which torchao's casts fuse",
+    "pairing": "seed k of every arm uses data_seed k; fp32_layout's seeds 4 and 5 pair with the fp8 arms only",
     "power": f"bf16_logits TOST: {PAIRS_FOR_POWER} pairs for 80% power at the pilot's spread ({LOSS_SEEDS} run)",
+    "power_fp8": f"fp8 TOSTs: no fp8 pilot exists; at bf16_logits' pilot spread ({PILOT_PAIRED_SD:g}) "
+                 f"{pairs_for_tost(PILOT_PAIRED_SD, MARGIN_NATS)} pairs give 80% power; {FP8_SEEDS} run, which reach "
+                 f"80% up to a paired sd of {FP8_SD_FOR_POWER:g} nats (true difference 0), and "
+                 f"{FP8_POWER_HALF_MARGIN:.3f} at the pilot's spread if fp8 costs half the margin",
     "no_master_decay": "2000 steps: exact decay alone shrinks ||w|| to 0.902 (-9.8%), the last 400 steps -1.3%",
 }

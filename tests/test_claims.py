@@ -219,4 +219,13 @@ def test_the_clipping_and_precision_specs_say_what_the_issue_asks():
     worse = prec.claim("prec.no_master_loss_worse")
     assert worse.test == "diff_ci" and worse.band == (0.0, math.inf)
     assert prec.claim("prec.bf16_resid_loss").descriptive
-    assert prec.gpu_scale["seeds_per_arm"] >= 4 and prec.gpu_scale["max_steps"] >= 1000
+    g = prec.gpu_scale
+    assert min(g["seeds"].values()) >= 4 and g["max_steps"] >= 1000
+    assert list(g["seeds"]) == g["arms"] and g["runs"] == sum(g["seeds"].values())
+    # issue 30: the loss cost of FP8 body Linears, a paired TOST per recipe against fp32_layout with 6+ seeds
+    for arm in ("fp8_tensorwise", "fp8_rowwise"):
+        fp8 = prec.claim(f"prec.{arm}_equivalent")
+        assert fp8.test == "tost" and fp8.margin == pytest.approx(0.02) and fp8.min_seeds >= 6
+        assert "no claim of the reference" in fp8.source
+        assert g["seeds"][arm] >= fp8.min_seeds and g["seeds"]["fp32_layout"] >= fp8.min_seeds
+    assert prec.claim("prec.fp8_body_gemms_only").band == (0, 0)

@@ -14,15 +14,21 @@ import pandas as pd
 import pytest
 import torch
 
-from blunb.config import BF16_STAGES, ConfigError, apply_overrides, preset
+from blunb import fp8
+from blunb.config import BF16_STAGES, FP8_RECIPES, ConfigError, apply_overrides, preset
 from blunb.model import BLU
 from blunb.optim.build import NoMasterAdamW, build_optimizers
 from blunb.runs import gpu_shared, load_run
 from blunb.studies.precision import (
+    FP8_ARMS,
+    Fp8Facts,
     arm_costs,
     bf16_ulp,
     decay_moved_fraction,
     decay_only,
+    fp8_arm_seeds,
+    fp8_arms,
+    fp8_arms_on,
     logits_memory,
     loss_dtype_sweep,
     loss_readings,
@@ -253,13 +259,99 @@ def test_solo_first_trains_every_arms_first_seed_alone_then_the_rest_two_per_gpu
                                                              "b-s3": "cached", "b-s5": "new", "b-s7": "new"}
     summary["gpu_shared"] = [gpu_shared(json.loads((grid.folder / r / "env.json").read_text())) for r in summary["run"]]
     assert solo_runs(summary)["run"].tolist() == ["a-s3", "b-s3"]
-    with pytest.raises(ValueError, match="arm_seeds"):
-        solo_first(Study("p", {"a": []}, seeds=[0], arm_seeds={"a": [1, 2]}, root=tmp_path))
+
+
+def test_solo_first_trains_the_first_of_an_arms_own_seeds_alone(tmp_path, fake_gpu_runs):
+    """The precision grid with fp8 arms: fp32_layout and the fp8 arms have more seeds (arm_seeds) than the rest."""
+    grid = Study("p", {"base": [], "b": ["max_lr=1e-3"], "c": ["max_lr=2e-3"]}, seeds=[0, 1],
+                 arm_seeds={"base": [0, 1, 2], "c": [4, 5]}, steps=4, root=tmp_path, runs_per_gpu=2, progress=False)
+    alone, everything = solo_first(grid)
+    assert everything is grid and alone.runs_per_gpu == 1 and grid.arm_seeds == {"base": [0, 1, 2], "c": [4, 5]}
+    assert [p.name for p in alone._plan()] == ["base-s0", "b-s0", "c-s4"]
+    for phase in (alone, everything):
+        phase.run()
+    assert fake_gpu_runs[:3] == [("base-s0", "1", "0"), ("b-s0", "1", "0"), ("c-s4", "1", "0")]
+    assert sorted(fake_gpu_runs[3:]) == [("b-s1", "2", "0"), ("base-s1", "2", "0"), ("base-s2", "2", "0"),
+                                         ("c-s5", "2", "0")]
+    with pytest.raises(ValueError, match="no seeds for c"):
+        solo_first(Study("p", {"a": [], "c": []}, seeds=[0], arm_seeds={"c": []}, root=tmp_path))
+
+
+# ---------------------------------------------------------------- the fp8 arms: where they run, their seeds
+
+H100 = Fp8Facts("cuda", (9, 0), "0.18.0")
+
+
+def test_fp8_arms_are_fp32_layouts_settings_plus_each_recipe():
+    assert FP8_ARMS == {"fp8_tensorwise": "model.fp8=tensorwise", "fp8_rowwise": "model.fp8=rowwise"}
+    assert [v.removeprefix("model.fp8=") for v in FP8_ARMS.values()] == list(FP8_RECIPES)
+
+
+@pytest.mark.parametrize("facts, missing", [
+    (H100, None),
+    (Fp8Facts("cuda", (8, 9), "0.18.0"), None),                   # Ada: float8 tensor cores
+    (Fp8Facts("cuda", (8, 0), "0.18.0"), ["compute capability 8.0 < 8.9"]),
+    (Fp8Facts("cpu", None, "0.18.0"), ["no CUDA device (this one: cpu)"]),
+    (Fp8Facts("cuda", (9, 0), None), ["torchao not importable"]),
+    (Fp8Facts("cpu", None, None), ["no CUDA device", "torchao not importable"]),
+])
+def test_fp8_arms_auto_runs_them_exactly_where_float8_can(facts, missing):
+    on, why = fp8_arms_on("auto", facts)
+    assert on is (missing is None)
+    if on:
+        assert why.startswith("fp8_arms=auto: on here") and ".".join(map(str, facts.capability)) in why
+    else:
+        assert why.startswith("fp8_arms=auto: off here") and all(m in why for m in missing)
+        assert "needs a GPU of compute capability >= 8.9 and torchao" in why
+
+
+def test_fp8_arms_on_and_off_are_forced_and_anything_else_refused():
+    for facts in (H100, Fp8Facts("cpu", None, None)):
+        assert fp8_arms_on("on", facts) == (True, "fp8_arms=on")
+        assert fp8_arms_on("off", facts) == (False, "fp8_arms=off")
+    for bad in ("true", "", "tensorwise"):
+        with pytest.raises(ValueError, match="fp8_arms must be one of"):
+            fp8_arms_on(bad, H100)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_fp8_arms_forced_on_a_machine_that_cannot_stops_with_fp8s_own_error_before_training():
+    assert fp8_arms("auto")[0] is False and fp8_arms("off") == (False, "fp8_arms=off")
+    with pytest.raises(ConfigError) as err:
+        fp8_arms("on")
+    assert str(err.value).startswith("model.fp8=tensorwise cannot run here: ")
+    assert f"compute capability >= {'.'.join(map(str, fp8.MIN_CAPABILITY))}" in str(err.value)
+    # rendering runs trained elsewhere checks nothing: nothing trains
+    assert fp8_arms("on", render_only=True) == (True, "fp8_arms=on")
+
+
+def test_fp8_arms_auto_when_rendering_follows_the_study_folder(tmp_path):
+    """GPU runs render on a laptop, and a folder without fp8 runs renders without them on a GPU machine."""
+    for facts in (H100, Fp8Facts("cpu", None, None)):
+        assert fp8_arms_on("auto", facts, render_only=True, fp8_runs=12)[0] is True
+        on, why = fp8_arms_on("auto", facts, render_only=True, fp8_runs=0)
+        assert not on and why == "fp8_arms=auto, render_only: off, the study folder holds no fp8 run"
+        assert fp8_arms_on("off", facts, render_only=True, fp8_runs=12) == (False, "fp8_arms=off")
+    assert fp8_arms("auto", render_only=True, folder=tmp_path)[0] is False
+    (tmp_path / "fp8_rowwise-s3").mkdir()
+    (tmp_path / "fp32_layout-s0").mkdir()
+    assert fp8_arms("auto", render_only=True, folder=tmp_path) == (
+        True, "fp8_arms=auto, render_only: on, the study folder holds 1 fp8 run(s)")
+
+
+def test_fp8_arm_seeds_pair_the_fp8_arms_with_the_base_at_fp8_seeds():
+    assert fp8_arm_seeds(False, [0, 1], [0, 1, 2, 3, 4, 5], "fp32_layout") == {}
+    six = list(range(6))
+    assert fp8_arm_seeds(True, [0, 1, 2, 3], six, "fp32_layout") == {
+        "fp32_layout": six, "fp8_tensorwise": six, "fp8_rowwise": six}
+    with pytest.raises(ConfigError, match=r"must hold every seed of seeds \[0, 1, 2\].*missing \[2\]"):
+        fp8_arm_seeds(True, [0, 1, 2], [0, 1], "fp32_layout")
 
 
 def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
-    """results/precision's runs predate the GPU-sharing record: rendered render_only (the README's parameters),
-    the claims are the committed ones byte for byte and no arm's step time is reported."""
+    """results/precision's runs predate the GPU-sharing record and the fp8 arms: rendered render_only (the README's
+    parameters), the committed claims render unchanged, the fp8 ones (declared since) n/a saying why, and no arm's
+    step time is reported."""
     shutil.copytree(REPO / "results" / "precision", tmp_path / "precision",
                     ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
     assert all(gpu_shared(load_run(d).env) is None for d in (tmp_path / "precision").glob("*-s*"))
@@ -271,7 +363,15 @@ def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
                           env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     folder = tmp_path / "precision"
-    assert (folder / "claims.csv").read_text() == (REPO / "results/precision/claims.csv").read_text()
+    committed = pd.read_csv(REPO / "results/precision/claims.csv", dtype=str, keep_default_na=False)
+    rendered = pd.read_csv(folder / "claims.csv", dtype=str, keep_default_na=False)
+    pd.testing.assert_frame_equal(rendered[rendered["id"].isin(committed["id"])].reset_index(drop=True), committed)
+    new = rendered[~rendered["id"].isin(committed["id"])]
+    assert new["id"].tolist() == ["prec.fp8_body_gemms_only", "prec.fp8_tensorwise_equivalent",
+                                  "prec.fp8_rowwise_equivalent"]
+    assert (new["result"] == "n/a").all() and (new["verdict"] == "n/a").all()
+    assert new["detail"].str.startswith("n/a: no fp8").all()
+    assert new["detail"].str.contains("fp8_arms=auto, render_only: off, the study folder holds no fp8 run").all()
     cost = pd.read_csv(folder / "cost.csv", index_col="arm")
     assert (cost["solo_runs"] == 0).all() and cost["tok_per_sec"].isna().all()
     assert cost["time_na"].str.contains("0 shared it, 2 have no record").all()

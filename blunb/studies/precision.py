@@ -10,6 +10,8 @@
 - `logits_memory(cfg)`: the seed's formula for what the [B,T,V] logits cost per micro-batch.
 - `solo_first(grid)`: the grid as two Study calls, each arm's first seed alone on its GPU, then the rest;
   `solo_runs(summary)`, `arm_costs(summary, ...)`: step time from the runs that trained alone only.
+- `FP8_ARMS`, `fp8_arms_on(setting, facts, ...)`, `fp8_arms(setting, render_only, folder)`, `fp8_arm_seeds(...)`:
+  the fp8 arms (model.fp8 on fp32_layout's settings), whether they run here, and their seeds (paired with the base's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -24,8 +27,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from blunb import kernels
-from blunb.config import TrainConfig
+from blunb import fp8, kernels
+from blunb.config import FP8_RECIPES, ConfigError, TrainConfig
 from blunb.study import Study
 
 BF16_SIGNIFICAND_BITS = 8  # 7 stored + the implicit one
@@ -145,14 +148,16 @@ def solo_first(grid: Study) -> list[Study]:
     """`grid` as two Study calls into its folder, to be run in order: every arm's first seed one run per
     GPU (runs_per_gpu=1: these runs' step times are their arm's own), then the whole grid at grid's
     runs_per_gpu, where the first seeds are cached. Two runs sharing an H200 train at nearly twice the
-    throughput of one alone, so only the runs whose time is reported need the GPU to themselves."""
-    if grid.arm_seeds:
-        raise ValueError(f"solo_first takes a grid whose arms share one seed list; {grid.name!r} has arm_seeds for "
-                         f"{sorted(grid.arm_seeds)}")
+    throughput of one alone, so only the runs whose time is reported need the GPU to themselves.
+    An arm with seeds of its own (grid.arm_seeds) trains the first of those alone."""
     seeds = list(grid.seeds)
-    if not seeds:
-        raise ValueError(f"study {grid.name!r} has no seeds")
-    return [dataclasses.replace(grid, seeds=seeds[:1], runs_per_gpu=1), grid]
+    own = {arm: list(s) for arm, s in grid.arm_seeds.items()} if isinstance(grid.arm_seeds, dict) else {}
+    empty = [arm for arm, s in own.items() if not s] + ([] if seeds else ["(every other arm)"])
+    if empty:
+        raise ValueError(f"study {grid.name!r} has no seeds for {', '.join(empty)}")
+    alone = dataclasses.replace(grid, seeds=seeds[:1], arm_seeds={arm: s[:1] for arm, s in own.items()},
+                                runs_per_gpu=1)
+    return [alone, grid]
 
 
 def solo_runs(summary: pd.DataFrame) -> pd.DataFrame:
@@ -197,3 +202,78 @@ def arm_costs(summary: pd.DataFrame, tokens_per_step: int, base: str) -> pd.Data
     cost["peak_mem_vs_base_gib"] = cost["peak_mem_gib"] - cost.loc[base, "peak_mem_gib"]
     return cost[["runs", "solo_runs", "tok_per_sec", "step_ms", "tok_per_sec_vs_base", "peak_mem_gib",
                  "peak_mem_vs_base_gib", "time_na"]]
+
+
+# ---------------------------------------------------------------- the fp8 arms (issue 30: the loss cost of FP8 GEMMs)
+
+# arm -> its override on top of the base arm's (fp32_layout's) settings: the body's Linears through torchao's
+# float8 training recipe of that name (blunb/fp8.py); everything else is the shipped layout.
+FP8_ARMS = {f"fp8_{recipe}": f"model.fp8={recipe}" for recipe in FP8_RECIPES}
+FP8_SETTINGS = ("auto", "on", "off")
+
+
+class Fp8Facts(NamedTuple):
+    """What decides whether float8 training can run on a machine (fp8.problems checks the same)."""
+
+    device: str                          # the type of the device a run would get: "cuda" or "cpu"
+    capability: tuple[int, int] | None   # that CUDA device's compute capability (None without one)
+    torchao: str | None                  # the importable torchao's version (None without one)
+
+
+def fp8_facts() -> Fp8Facts:
+    """This machine's Fp8Facts (the first CUDA device, as a run of the study gets)."""
+    if not torch.cuda.is_available():
+        return Fp8Facts("cpu", None, fp8.torchao_version())
+    return Fp8Facts("cuda", tuple(torch.cuda.get_device_capability(0)), fp8.torchao_version())
+
+
+def fp8_arms_on(setting: str, facts: Fp8Facts, render_only: bool = False, fp8_runs: int = 0) -> tuple[bool, str]:
+    """Whether the fp8 arms join the grid, and why, from the notebook's `fp8_arms` setting and the machine's facts:
+    "on" / "off" as forced; "auto" on exactly where model.fp8 can run (a CUDA device of compute capability
+    >= fp8.MIN_CAPABILITY and torchao importable), off otherwise, saying every reason. Rendering (render_only),
+    where nothing trains, "auto" follows the study folder instead: on where it holds fp8 runs (`fp8_runs`), so
+    that GPU runs render on any machine and a folder without them renders without them."""
+    if setting not in FP8_SETTINGS:
+        raise ValueError(f"fp8_arms must be one of {FP8_SETTINGS}, got {setting!r}")
+    if setting != "auto":
+        return setting == "on", f"fp8_arms={setting}"
+    if render_only:
+        return (True, f"fp8_arms=auto, render_only: on, the study folder holds {fp8_runs} fp8 run(s)") if fp8_runs \
+            else (False, "fp8_arms=auto, render_only: off, the study folder holds no fp8 run")
+    need = ".".join(map(str, fp8.MIN_CAPABILITY))
+    missing = []
+    if facts.device != "cuda" or facts.capability is None:
+        missing.append(f"no CUDA device (this one: {facts.device})")
+    elif tuple(facts.capability) < fp8.MIN_CAPABILITY:
+        missing.append(f"compute capability {'.'.join(map(str, facts.capability))} < {need}")
+    if facts.torchao is None:
+        missing.append(f"torchao not importable (pip install 'blunb[fp8]': {fp8.TORCHAO})")
+    if missing:
+        return False, f"fp8_arms=auto: off here, {' and '.join(missing)}; float8 training needs a GPU of compute " \
+                      f"capability >= {need} and torchao"
+    return True, f"fp8_arms=auto: on here, compute capability {'.'.join(map(str, facts.capability))} and torchao " \
+                 f"{facts.torchao}"
+
+
+def fp8_arms(setting: str, render_only: bool = False, folder: str | Path | None = None) -> tuple[bool, str]:
+    """fp8_arms_on for this machine and the study `folder` (its fp8 runs count when rendering). Forced on where
+    runs would train (not render_only), each recipe is checked here first (fp8.check): a machine that cannot run
+    it stops with fp8's own error before any arm trains."""
+    runs = [d for arm in FP8_ARMS for d in Path(folder).glob(f"{arm}-s*")] if folder is not None else []
+    on, why = fp8_arms_on(setting, fp8_facts(), render_only, len(runs))
+    if on and setting == "on" and not render_only:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        for recipe in FP8_RECIPES:
+            fp8.check(recipe, device)
+    return on, why
+
+
+def fp8_arm_seeds(on: bool, seeds: Sequence[int], fp8_seeds: Sequence[int], base: str) -> dict[str, list[int]]:
+    """Study.arm_seeds for the fp8 arms and `base`: fp8_seeds for each (seed k of an fp8 arm pairs with seed k of
+    base), none when the fp8 arms are off. fp8_seeds must hold every seed of `seeds`: base pairs with every arm."""
+    if not on:
+        return {}
+    if short := [s for s in seeds if s not in fp8_seeds]:
+        raise ConfigError(f"fp8_seeds {list(fp8_seeds)} are {base}'s seeds too and must hold every seed of seeds "
+                          f"{list(seeds)} (the other arms pair with {base}); missing {short}")
+    return {arm: list(fp8_seeds) for arm in (base, *FP8_ARMS)}
