@@ -242,8 +242,8 @@ class TrainConfig:
     # The steady-state training step (every micro-batch's forward + backward, the clip, the optimizer update) captured
     # once as a CUDA graph and replayed (blunb/cuda_graph.py): true | false | auto (on where it is supported: CUDA,
     # world size 1, the ZeRO AdamW or Muon set; the start lines say what was picked and why). Default false until
-    # tests/test_cuda_graph_gpu.py has passed on a GPU (it has not run on one yet): an unverified capture must not be
-    # what every single-GPU run gets without asking; auto is the intended default once it has.
+    # bench/speed.py has measured where it wins (tests/test_cuda_graph_gpu.py passed on an H200; no timing yet):
+    # auto is the intended default once it has.
     cuda_graph: bool | str = False
     mfu_warmup: int = 5             # steps excluded from steady-state MFU
     ckpt_freq: int = 0              # checkpoint every this many steps (0: never, so throughput A/Bs stay clean)
