@@ -350,8 +350,8 @@ def test_fp8_arm_seeds_pair_the_fp8_arms_with_the_base_at_fp8_seeds():
 
 def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
     """results/precision's runs predate the GPU-sharing record and the fp8 arms: rendered render_only (the README's
-    parameters), the committed claims render unchanged, the fp8 ones (declared since) n/a saying why, and no arm's
-    step time is reported."""
+    parameters), they give the committed claims.csv row for row, the fp8 claims (declared since) n/a saying why,
+    and no arm's step time is reported."""
     shutil.copytree(REPO / "results" / "precision", tmp_path / "precision",
                     ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
     assert all(gpu_shared(load_run(d).env) is None for d in (tmp_path / "precision").glob("*-s*"))
@@ -365,13 +365,13 @@ def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
     folder = tmp_path / "precision"
     committed = pd.read_csv(REPO / "results/precision/claims.csv", dtype=str, keep_default_na=False)
     rendered = pd.read_csv(folder / "claims.csv", dtype=str, keep_default_na=False)
-    pd.testing.assert_frame_equal(rendered[rendered["id"].isin(committed["id"])].reset_index(drop=True), committed)
-    new = rendered[~rendered["id"].isin(committed["id"])]
-    assert new["id"].tolist() == ["prec.fp8_body_gemms_only", "prec.fp8_tensorwise_equivalent",
+    pd.testing.assert_frame_equal(rendered, committed)
+    fp8 = rendered[rendered["id"].str.startswith("prec.fp8_")]
+    assert fp8["id"].tolist() == ["prec.fp8_body_gemms_only", "prec.fp8_tensorwise_equivalent",
                                   "prec.fp8_rowwise_equivalent"]
-    assert (new["result"] == "n/a").all() and (new["verdict"] == "n/a").all()
-    assert new["detail"].str.startswith("n/a: no fp8").all()
-    assert new["detail"].str.contains("fp8_arms=auto, render_only: off, the study folder holds no fp8 run").all()
+    assert (fp8["result"] == "n/a").all() and (fp8["verdict"] == "n/a").all()
+    assert fp8["detail"].str.startswith("n/a: no fp8").all()
+    assert fp8["detail"].str.contains("fp8_arms=auto, render_only: off, the study folder holds no fp8 run").all()
     cost = pd.read_csv(folder / "cost.csv", index_col="arm")
     assert (cost["solo_runs"] == 0).all() and cost["tok_per_sec"].isna().all()
     assert cost["time_na"].str.contains("0 shared it, 2 have no record").all()
