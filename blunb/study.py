@@ -849,8 +849,22 @@ def check_parameters(namespace: dict, notebook: str | Path) -> None:
     path = Path(notebook)
     if not path.is_file() and not path.is_absolute():
         path = repo_root() / "notebooks" / notebook
+    check_same_checkout(path)
     defaults = notebook_defaults(path)
     namespace.update(checked_parameters(defaults, {k: namespace[k] for k in defaults if k in namespace}))
+
+
+def check_same_checkout(notebook: str | Path) -> None:
+    """ConfigError when `notebook` lies in the notebooks/ folder of another blunb checkout than the one
+    this process imports blunb from. Why: a study writes into the imported checkout's results/, so
+    running a second clone's notebook with the first's (editable) install would train and overwrite
+    runs in the first clone's committed results."""
+    folder = Path(notebook).resolve().parent
+    checkout = folder.parent
+    if folder.name == "notebooks" and (checkout / "blunb" / "__init__.py").is_file() and checkout != repo_root():
+        raise ConfigError(f"{Path(notebook).name} belongs to the checkout {checkout}, but this Python imports blunb "
+                          f"from {repo_root()}, whose results/ the study would write: run it with "
+                          f"PYTHONPATH={checkout} or that checkout's own environment")
 
 
 # ---------------------------------------------------------------- CLI
@@ -917,6 +931,7 @@ def main(argv=None) -> None:
     if args.script and (args.output or args.kernel != "python3"):
         ap.error("--script writes no notebook and uses no kernel: drop -o / -k")
     try:
+        check_same_checkout(args.notebook)
         params = checked_parameters(notebook_defaults(args.notebook),
                                     {key: _literal(value) for key, value in args.parameter})
         if args.script:
@@ -936,9 +951,19 @@ def main(argv=None) -> None:
     output = args.output or results_root() / "scratch" / args.notebook.name
     output.parent.mkdir(parents=True, exist_ok=True)
     log.info(f"running {args.notebook} -> {output} with {params}")
-    # The notebook's own folder as cwd: its relative paths mean what they mean in Jupyter.
-    papermill.execute_notebook(str(args.notebook), str(output), parameters=params, kernel_name=args.kernel,
-                               cwd=str(args.notebook.resolve().parent), log_output=True)
+    # The kernel imports the blunb this process runs (from the notebook's folder it would otherwise find
+    # whichever checkout is installed); the notebook's own folder as cwd: its relative paths mean what they
+    # mean in Jupyter.
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root()), saved]))
+    try:
+        papermill.execute_notebook(str(args.notebook), str(output), parameters=params, kernel_name=args.kernel,
+                                   cwd=str(args.notebook.resolve().parent), log_output=True)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ string "false", which Python counts as true; every notebook and `blunb.study -p`
 against the type of its default instead."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -131,3 +132,49 @@ def test_blunb_study_cli_types_its_parameters_before_papermill_runs(tmp_path, mo
             blunb.study.main([nb, *bad, *out])
         assert exc.value.code == 2 and match in capsys.readouterr().err
     assert len(calls) == 1
+
+
+def _other_checkout(tmp_path):
+    """A second blunb checkout's layout: its notebooks/ beside its own blunb package."""
+    (tmp_path / "blunb").mkdir()
+    (tmp_path / "blunb" / "__init__.py").write_text("")
+    (tmp_path / "notebooks").mkdir()
+    nb = tmp_path / "notebooks" / "00_quickstart.ipynb"
+    nb.write_text((REPO / "notebooks" / "00_quickstart.ipynb").read_text())
+    return nb
+
+
+def test_a_notebook_of_another_checkout_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """Running clone B's notebook with clone A's installed blunb would write A's committed results/."""
+    papermill = pytest.importorskip("papermill")
+    calls = []
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(sys, "argv", ["blunb-study"])
+    nb = _other_checkout(tmp_path)
+    with pytest.raises(ConfigError, match=f"belongs to the checkout {tmp_path}.*PYTHONPATH={tmp_path}"):
+        blunb.study.check_same_checkout(nb)
+    with pytest.raises(ConfigError, match="belongs to the checkout"):
+        check_parameters({}, str(nb))  # the notebook's own first check: Jupyter opened it from clone B
+    for argv in ([str(nb)], [str(nb), "--script"]):
+        with pytest.raises(SystemExit) as exc:
+            blunb.study.main(argv)
+        assert exc.value.code == 2 and "belongs to the checkout" in capsys.readouterr().err
+    assert calls == []
+    blunb.study.check_same_checkout(REPO / "notebooks" / "00_quickstart.ipynb")  # its own checkout: fine
+    loose = tmp_path / "elsewhere.ipynb"                                           # not in a checkout: fine
+    loose.write_text(nb.read_text())
+    blunb.study.check_same_checkout(loose)
+
+
+def test_blunb_study_gives_the_kernel_its_own_blunb(tmp_path, monkeypatch):
+    """The papermill kernel starts in notebooks/, where an editable install of another checkout would win:
+    the CLI puts its own checkout first on the kernel's PYTHONPATH, and puts PYTHONPATH back after."""
+    papermill = pytest.importorskip("papermill")
+    seen = []
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: seen.append(os.environ.get("PYTHONPATH")))
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    blunb.study.main([str(REPO / "notebooks" / "00_quickstart.ipynb"), "-o", str(tmp_path / "out.ipynb")])
+    assert seen == [f"{REPO}{os.pathsep}/somewhere"] and os.environ["PYTHONPATH"] == "/somewhere"
+    monkeypatch.delenv("PYTHONPATH")
+    blunb.study.main([str(REPO / "notebooks" / "00_quickstart.ipynb"), "-o", str(tmp_path / "out.ipynb")])
+    assert seen[-1] == str(REPO) and "PYTHONPATH" not in os.environ
