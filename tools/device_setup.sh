@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Ready a borrowed GPU machine (no package index, no git remote, time-limited commands) for blunb's runs.
+#
+#   here:   tools/device_setup.sh pack
+#       writes .device/src.bundle (a git bundle of HEAD) and .device/wheels/ (torchao, model.fp8's
+#       extra, from pip's index); refuses uncommitted changes to tracked files. Carry .device along.
+#   there:  tools/device_setup.sh setup [SRC_DIR] [CORPUS_DIR]
+#       clones the bundle into SRC_DIR (default /root/src), installs the wheels into $EXTRA_DIR (default
+#       /root/blunb-extra), prepares the BPE-16384 site-packages corpus in CORPUS_DIR (default
+#       /data/sp-bpe16k) unless it is there, and prints the exports for the commands that follow.
+#
+# Why a clone and not the copied working tree: the runs' env.json then records a clean git sha that is a
+# commit of main. Why the wheels outside site-packages: the corpus is site-packages' own code, so
+# installing into it would change the corpus (and its sha256) between sessions.
+set -euo pipefail
+
+usage() { sed -n '2,10p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+mode=$1; shift
+PYTHON=${PYTHON:-python3}
+TORCHAO=${TORCHAO:-torchao==0.18.0}   # pyproject.toml's fp8 extra
+
+case "$mode" in
+pack)
+  cd "$(git rev-parse --show-toplevel)"
+  if ! git diff --quiet HEAD --; then
+    echo "uncommitted changes to tracked files: commit them first (the GPU machine gets HEAD)" >&2
+    git diff --stat HEAD -- >&2
+    exit 1
+  fi
+  mkdir -p .device/wheels
+  rm -f .device/src.bundle
+  git bundle create -q .device/src.bundle HEAD
+  # abi3 wheel: any CPython >= 3.10 on Linux x86_64 takes it, whatever Python the GPU machine has
+  ls .device/wheels/torchao-*.whl > /dev/null 2>&1 ||
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+      --python-version 3.12 -d .device/wheels "$TORCHAO"
+  echo "packed $(git rev-parse --short HEAD): $(du -sh .device | cut -f1) in .device (carry it)"
+  ;;
+setup)
+  src=${1:-/root/src} corpus=${2:-/data/sp-bpe16k} extra=${EXTRA_DIR:-/root/blunb-extra}
+  [ -f .device/src.bundle ] || { echo "no .device/src.bundle here: run 'tools/device_setup.sh pack' and carry .device" >&2; exit 2; }
+  sha=$(git bundle list-heads .device/src.bundle HEAD | cut -d' ' -f1)
+  if [ "$(git -C "$src" rev-parse HEAD 2> /dev/null || true)" != "$sha" ]; then
+    rm -rf "$src"
+    git clone -q .device/src.bundle "$src"
+    git -C "$src" checkout -q "$sha"
+  fi
+  case "$extra" in *site-packages*|*dist-packages*)
+    echo "EXTRA_DIR $extra would be read as site-packages (the corpus): choose another folder" >&2; exit 2;;
+  esac
+  if ls .device/wheels/*.whl > /dev/null 2>&1 && [ ! -d "$extra/torchao" ]; then
+    "$PYTHON" -m pip install -q --no-deps --no-index --target "$extra" .device/wheels/*.whl
+  fi
+  export PYTHONPATH="$src:$extra"
+  if [ ! -f "$corpus/meta.json" ]; then
+    (cd "$src" && "$PYTHON" -m blunb.data prepare --source site-packages --tokenizer bpe:16384 --out "$corpus" \
+      --no-progress > /dev/null)
+  fi
+  corpus_sha=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$corpus/meta.json")
+  echo "checkout $src at $sha (clean: $(git -C "$src" status --porcelain --untracked-files=no | wc -l) changed files)"
+  echo "corpus $corpus sha256 $corpus_sha"
+  echo "export PYTHONPATH=$src:$extra"
+  ;;
+*) usage ;;
+esac
