@@ -1,0 +1,55 @@
+"""tools/device_setup.sh: HEAD packed as a bundle here, cloned there into a clean checkout of the same sha."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "device_setup.sh"
+
+
+def sh(args, cwd, env=None, check=True):
+    out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+    assert not check or out.returncode == 0, out.stderr
+    return out
+
+
+def test_pack_here_setup_there_gives_a_clean_clone_of_head(tmp_path):
+    here = tmp_path / "here"
+    sh(["git", "clone", "-q", str(REPO), str(here)], tmp_path)
+    head = sh(["git", "rev-parse", "HEAD"], here).stdout.strip()
+    # A wheel already there is not downloaded again (the test needs no package index).
+    (here / ".device" / "wheels").mkdir(parents=True)
+    (here / ".device" / "wheels" / "torchao-0.0.0-py3-none-any.whl").write_bytes(b"")
+    (here / "README.md").write_text("changed\n")
+    refused = sh(["bash", str(TOOL), "pack"], here, check=False)
+    assert refused.returncode == 1 and "uncommitted changes" in refused.stderr
+    sh(["git", "checkout", "-q", "README.md"], here)
+    assert "packed" in sh(["bash", str(TOOL), "pack"], here).stdout
+    assert sh(["git", "status", "--porcelain"], here).stdout == ""  # .device is ignored
+
+    # The GPU machine's copy: the working tree without .git, .device carried along (no wheel to install here).
+    there = tmp_path / "there"
+    shutil.copytree(here, there, ignore=shutil.ignore_patterns(".git"))
+    shutil.rmtree(there / ".device" / "wheels")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "meta.json").write_text(json.dumps({"sha256": "abc123"}))  # prepared before: not made again
+    src = tmp_path / "src"
+    out = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")}).stdout
+    assert f"at {head} (clean: 0 changed files)" in out and "sha256 abc123" in out
+    assert f"export PYTHONPATH={src}:{tmp_path / 'x'}" in out
+    assert sh(["git", "rev-parse", "HEAD"], src).stdout.strip() == head
+    again = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")})
+    assert f"at {head}" in again.stdout  # an existing clone of the same sha is kept
+
+    bad = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
+             env={"EXTRA_DIR": str(tmp_path / "site-packages")}, check=False)
+    assert bad.returncode == 2 and "would be read as site-packages" in bad.stderr
+    shutil.rmtree(there / ".device")
+    missing = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, check=False)
+    assert missing.returncode == 2 and "no .device/src.bundle" in missing.stderr
