@@ -31,9 +31,9 @@ pack)
   mkdir -p .device/wheels
   rm -f .device/src.bundle
   git bundle create -q .device/src.bundle HEAD
-  # abi3 wheel: any CPython >= 3.10 on Linux x86_64 takes it, whatever Python the GPU machine has
+  # the abi3 build (its C++ extensions included) any CPython >= 3.10 on Linux x86_64 takes: the one the fp8 GPU tests passed with
   ls .device/wheels/torchao-*.whl > /dev/null 2>&1 ||
-    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
       --python-version 3.12 -d .device/wheels "$TORCHAO"
   echo "packed $(git rev-parse --short HEAD): $(du -sh .device | cut -f1) in .device (carry it)"
   ;;
