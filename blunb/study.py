@@ -123,6 +123,9 @@ class Study:
     GPU results on a laptop without ever starting a 124m run there by accident).
     allow_dirty: publish into the committed results/ even from a git tree with uncommitted changes
     (recorded in study.json); without it run() refuses before any work.
+    replace_completed: retrain a completed run of the committed results/ whose config differs from the
+    plan's; without it run() refuses before any work, naming each run and what differs (elsewhere such a
+    run is retrained with a warning).
     executor: None or "local" (this machine's processes), or a submitit executor (AutoExecutor for SLURM,
     LocalExecutor): one job per run, GPUs / partition / time limit from its parameters (see the module
     docstring); runs_per_gpu and the GPU slots do not apply there, max_parallel caps the jobs in flight.
@@ -144,6 +147,7 @@ class Study:
     progress: bool = True
     render_only: bool = False
     allow_dirty: bool = False
+    replace_completed: bool = False
     executor: Any = None
 
     @property
@@ -168,7 +172,23 @@ class Study:
                 log.warning(f"{self.name}: {lock.stale_note()}")
             for p in plans:  # again, now that no one else writes here: another study may have finished runs
                 p.action = _cache_action(p, self.nproc)
+            self._check_replacements(plans, provenance["published"])
             return self._run_planned(plans, provenance)
+
+    def _check_replacements(self, plans: list[_Planned], published: bool) -> None:
+        """Completed runs this study would retrain because their config differs: refused in the committed
+        results/ (a changed notebook parameter would silently replace the committed evidence), a warning
+        elsewhere."""
+        replaced = [(p.name, _config_change(p, self.nproc)) for p in plans
+                    if p.action == "overwrite" and (read_status(p.run_dir) or {}).get("state") == "completed"]
+        if not replaced or self.render_only:
+            return
+        listing = "; ".join(f"{name} ({change})" for name, change in replaced)
+        if published and not self.replace_completed:
+            raise StudyError(f"study {self.name!r} would replace {len(replaced)} completed run(s) of the committed "
+                             f"{self.folder} whose config differs from this plan's: {listing}. Give the study "
+                             "another name, delete those run folders (git keeps them), or pass replace_completed=True")
+        log.warning(f"{self.name}: retraining {len(replaced)} completed run(s) whose config changed: {listing}")
 
     def _run_planned(self, plans: list[_Planned], provenance: dict) -> pd.DataFrame:
         cached = [p.name for p in plans if p.action == "cached"]
@@ -536,6 +556,22 @@ def _cache_action(plan: _Planned, nproc: int) -> str:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
     return "cached" if status.get("state") == "completed" else "resume"
+
+
+def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:
+    """What differs between a run folder's config (and world size) and the plan's, as 'key: old -> new'."""
+    stored = _as_planned_auto(_with_new_fields(json.loads((plan.run_dir / "config.json").read_text()),
+                                               predated_defaults()), plan.config)
+    world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
+    flat = {}
+    for side, cfg in (("old", stored), ("new", plan.config)):
+        for key, value in cfg.items():
+            for k, v in (value.items() if isinstance(value, dict) else [(None, value)]):
+                flat.setdefault(f"{key}.{k}" if k else key, {})[side] = v
+    changes = [f"{key}: {v.get('old')!r} -> {v.get('new')!r}" for key, v in flat.items() if v.get("old") != v.get("new")]
+    if world_size != nproc:
+        changes.append(f"world size: {world_size} -> {nproc}")
+    return ", ".join(changes[:limit]) + (f", and {len(changes) - limit} more" if len(changes) > limit else "")
 
 
 def _cores() -> int:

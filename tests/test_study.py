@@ -96,6 +96,42 @@ def test_cache_actions_follow_the_run_folder(tmp_path):
 
 
 
+def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, monkeypatch, no_launch, caplog):
+    """A changed notebook parameter (here max_lr, and the world size) would retrain a completed run in place:
+    in the committed results/ that is refused before any work, naming the run and what changed; elsewhere
+    it is retrained with a warning; replace_completed=True allows it."""
+    study = Study("s", {"a": ["max_lr=1e-3"], "b": []}, seeds=[0], steps=4, root=tmp_path)
+    for plan in study._plan():
+        plan.run_dir.mkdir(parents=True)
+        (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
+        (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+        write_status(plan.run_dir, "completed", 4, 4)
+    published = {"published": True}
+    monkeypatch.setattr(blunb.study, "check_publish", lambda folder, allow_dirty: dict(published))
+    changed = Study("s", {"a": ["max_lr=2e-3"], "b": []}, seeds=[0], steps=4, root=tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "s").rglob("*")}
+    with pytest.raises(StudyError, match=r"would replace 1 completed run\(s\) of the committed .*: "
+                                         r"a-s0 \(max_lr: 0.001 -> 0.002\)\. .*replace_completed=True"):
+        changed.run()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "s").rglob("*")} == before  # nothing touched
+    (tmp_path / "s" / "b-s0" / "env.json").write_text(json.dumps({"world_size": 2}))
+    with pytest.raises(StudyError, match=r"replace 2 .*b-s0 \(world size: 2 -> 1\)"):
+        changed.run()
+    write_status(tmp_path / "s" / "a-s0", "failed", 2, 4)  # an unfinished run holds no result: retrained
+    with pytest.raises(StudyError, match=r"replace 1 completed .*: b-s0 "):
+        changed.run()
+    # Not committed results: retrained, with a warning saying which and why (no_launch stops the launch).
+    published["published"] = False
+    with pytest.raises(AssertionError, match="a process was started"):
+        changed.run()
+    assert any("retraining 1 completed run(s) whose config changed: b-s0 (world size: 2 -> 1)" in r.getMessage()
+               for r in caplog.records)
+    published["published"] = True
+    with pytest.raises(AssertionError, match="a process was started"):
+        Study("s", {"a": ["max_lr=2e-3"], "b": []}, seeds=[0], steps=4, root=tmp_path,
+              replace_completed=True).run()
+
+
 def test_a_config_field_added_after_the_run_keeps_it_cached_at_its_default(tmp_path):
     study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)
     (plan,) = study._plan()
