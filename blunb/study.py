@@ -568,7 +568,8 @@ def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:
         for key, value in cfg.items():
             for k, v in (value.items() if isinstance(value, dict) else [(None, value)]):
                 flat.setdefault(f"{key}.{k}" if k else key, {})[side] = v
-    changes = [f"{key}: {v.get('old')!r} -> {v.get('new')!r}" for key, v in flat.items() if v.get("old") != v.get("new")]
+    changes = [f"{key}: {v.get('old')!r} -> {v.get('new')!r}" for key, v in flat.items()
+               if v.get("old") != v.get("new")]
     if world_size != nproc:
         changes.append(f"world size: {world_size} -> {nproc}")
     return ", ".join(changes[:limit]) + (f", and {len(changes) - limit} more" if len(changes) > limit else "")
