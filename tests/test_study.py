@@ -420,3 +420,19 @@ def test_script_renders_a_committed_study_to_the_same_claims(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "clipping" / "claims.csv").read_text() == (REPO / "results/clipping/claims.csv").read_text()
     assert (tmp_path / "clipping" / "loss_curves.png").is_file()
+
+
+def test_script_renders_the_committed_overlap_study_to_the_same_claims(tmp_path):
+    """The overlap study's committed equivalence runs (GPU_SCALE's seeds) and timelines, rendered render_only:
+    claims.csv and equivalence.csv are the committed ones, byte for byte (the command: results/overlap/README.md)."""
+    shutil.copytree(REPO / "results" / "overlap", tmp_path / "overlap",
+                    ignore=shutil.ignore_patterns("*.png", "run.ipynb", "claims.csv", "equivalence*.csv"))
+    proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/12_overlap.ipynb", "--script",
+                           "-p", "noise_seeds", "[1, 2, 3, 4, 5]", "-p", "dtype_seeds", "[0, 1, 2, 3, 4, 5]",
+                           "-p", "timeline_dir", str(tmp_path / "overlap"),
+                           "-p", "publish", "True", "-p", "render_only", "True"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("claims.csv", "equivalence.csv"):
+        assert (tmp_path / "overlap" / name).read_text() == (REPO / "results" / "overlap" / name).read_text(), name
