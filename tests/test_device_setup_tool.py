@@ -47,6 +47,9 @@ def test_pack_here_setup_there_gives_a_clean_clone_of_head(tmp_path):
     again = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")})
     assert f"at {head}" in again.stdout  # an existing clone of the same sha is kept
 
+    other = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
+               env={"EXTRA_DIR": str(tmp_path / "x"), "EXPECT_CORPUS_SHA256": "def456"}, check=False)
+    assert other.returncode == 1 and "sha256 abc123, not the expected def456" in other.stderr
     bad = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
              env={"EXTRA_DIR": str(tmp_path / "site-packages")}, check=False)
     assert bad.returncode == 2 and "would be read as site-packages" in bad.stderr

@@ -8,13 +8,15 @@
 #       clones the bundle into SRC_DIR (default /root/src), installs the wheels into $EXTRA_DIR (default
 #       /root/blunb-extra), prepares the BPE-16384 site-packages corpus in CORPUS_DIR (default
 #       /data/sp-bpe16k) unless it is there, and prints the exports for the commands that follow.
+#       EXPECT_CORPUS_SHA256: the corpus the study's earlier runs read (their env.json); another one
+#       stops here, before any run could mix two corpora in one study.
 #
 # Why a clone and not the copied working tree: the runs' env.json then records a clean git sha that is a
 # commit of main. Why the wheels outside site-packages: the corpus is site-packages' own code, so
 # installing into it would change the corpus (and its sha256) between sessions.
 set -euo pipefail
 
-usage() { sed -n '2,10p' "$0" >&2; exit 2; }
+usage() { sed -n '2,12p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 mode=$1; shift
 PYTHON=${PYTHON:-python3}
@@ -58,6 +60,11 @@ setup)
       --no-progress > /dev/null)
   fi
   corpus_sha=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$corpus/meta.json")
+  if [ -n "${EXPECT_CORPUS_SHA256:-}" ] && [ "$corpus_sha" != "$EXPECT_CORPUS_SHA256" ]; then
+    echo "corpus $corpus has sha256 $corpus_sha, not the expected $EXPECT_CORPUS_SHA256 (another site-packages?):" \
+      "its runs would not be comparable with the earlier ones" >&2
+    exit 1
+  fi
   echo "checkout $src at $sha (clean: $(git -C "$src" status --porcelain --untracked-files=no | wc -l) changed files)"
   echo "corpus $corpus sha256 $corpus_sha"
   echo "export PYTHONPATH=$src:$extra"
