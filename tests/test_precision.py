@@ -21,7 +21,6 @@ from blunb.optim.build import NoMasterAdamW, build_optimizers
 from blunb.runs import gpu_shared, load_run
 from blunb.studies.precision import (
     FP8_ARMS,
-    Fp8Facts,
     arm_costs,
     bf16_ulp,
     decay_moved_fraction,
@@ -279,7 +278,8 @@ def test_solo_first_trains_the_first_of_an_arms_own_seeds_alone(tmp_path, fake_g
 
 # ---------------------------------------------------------------- the fp8 arms: where they run, their seeds
 
-H100 = Fp8Facts("cuda", (9, 0), "0.18.0")
+NO_CUDA = "float8 GEMMs need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper or newer); this run's device is cpu"
+NO_TORCHAO = "torchao is not importable"
 
 
 def test_fp8_arms_are_fp32_layouts_settings_plus_each_recipe():
@@ -287,39 +287,34 @@ def test_fp8_arms_are_fp32_layouts_settings_plus_each_recipe():
     assert [v.removeprefix("model.fp8=") for v in FP8_ARMS.values()] == list(FP8_RECIPES)
 
 
-@pytest.mark.parametrize("facts, missing", [
-    (H100, None),
-    (Fp8Facts("cuda", (8, 9), "0.18.0"), None),                   # Ada: float8 tensor cores
-    (Fp8Facts("cuda", (8, 0), "0.18.0"), ["compute capability 8.0 < 8.9"]),
-    (Fp8Facts("cpu", None, "0.18.0"), ["no CUDA device (this one: cpu)"]),
-    (Fp8Facts("cuda", (9, 0), None), ["torchao not importable"]),
-    (Fp8Facts("cpu", None, None), ["no CUDA device", "torchao not importable"]),
-])
-def test_fp8_arms_auto_runs_them_exactly_where_float8_can(facts, missing):
-    on, why = fp8_arms_on("auto", facts)
-    assert on is (missing is None)
+@pytest.mark.parametrize("problems", [[], [NO_CUDA], [NO_TORCHAO], [NO_CUDA, NO_TORCHAO]])
+def test_fp8_arms_auto_runs_them_exactly_where_float8_can(problems):
+    """auto: on exactly where fp8.problems (the trainer's own check, tested in test_fp8) finds none."""
+    on, why = fp8_arms_on("auto", problems)
+    assert on is (not problems)
     if on:
-        assert why.startswith("fp8_arms=auto: on here") and ".".join(map(str, facts.capability)) in why
+        assert why.startswith("fp8_arms=auto: on here (torchao ")
     else:
-        assert why.startswith("fp8_arms=auto: off here") and all(m in why for m in missing)
-        assert "needs a GPU of compute capability >= 8.9 and torchao" in why
+        assert why == "fp8_arms=auto: off here: " + "; ".join(problems)
 
 
 def test_fp8_arms_on_and_off_are_forced_and_anything_else_refused():
-    for facts in (H100, Fp8Facts("cpu", None, None)):
-        assert fp8_arms_on("on", facts) == (True, "fp8_arms=on")
-        assert fp8_arms_on("off", facts) == (False, "fp8_arms=off")
+    for problems in ([], [NO_CUDA, NO_TORCHAO]):
+        assert fp8_arms_on("on", problems) == (True, "fp8_arms=on")
+        assert fp8_arms_on("off", problems) == (False, "fp8_arms=off")
     for bad in ("true", "", "tensorwise"):
         with pytest.raises(ValueError, match="fp8_arms must be one of"):
-            fp8_arms_on(bad, H100)
+            fp8_arms_on(bad, [])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
-def test_fp8_arms_forced_on_a_machine_that_cannot_stops_with_fp8s_own_error_before_training():
-    assert fp8_arms("auto")[0] is False and fp8_arms("off") == (False, "fp8_arms=off")
+def test_fp8_arms_forced_on_a_machine_that_cannot_stops_with_fp8s_problems_before_training():
+    on, why = fp8_arms("auto")
+    assert on is False and why.startswith("fp8_arms=auto: off here: ") and NO_CUDA in why
+    assert fp8_arms("off") == (False, "fp8_arms=off")
     with pytest.raises(ConfigError) as err:
         fp8_arms("on")
-    assert str(err.value).startswith("model.fp8=tensorwise cannot run here: ")
+    assert str(err.value).startswith("fp8_arms=on, but model.fp8 cannot run here: ")
     assert f"compute capability >= {'.'.join(map(str, fp8.MIN_CAPABILITY))}" in str(err.value)
     # rendering runs trained elsewhere checks nothing: nothing trains
     assert fp8_arms("on", render_only=True) == (True, "fp8_arms=on")
@@ -327,11 +322,11 @@ def test_fp8_arms_forced_on_a_machine_that_cannot_stops_with_fp8s_own_error_befo
 
 def test_fp8_arms_auto_when_rendering_follows_the_study_folder(tmp_path):
     """GPU runs render on a laptop, and a folder without fp8 runs renders without them on a GPU machine."""
-    for facts in (H100, Fp8Facts("cpu", None, None)):
-        assert fp8_arms_on("auto", facts, render_only=True, fp8_runs=12)[0] is True
-        on, why = fp8_arms_on("auto", facts, render_only=True, fp8_runs=0)
+    for problems in ([], [NO_CUDA, NO_TORCHAO]):
+        assert fp8_arms_on("auto", problems, render_only=True, fp8_runs=12)[0] is True
+        on, why = fp8_arms_on("auto", problems, render_only=True, fp8_runs=0)
         assert not on and why == "fp8_arms=auto, render_only: off, the study folder holds no fp8 run"
-        assert fp8_arms_on("off", facts, render_only=True, fp8_runs=12) == (False, "fp8_arms=off")
+        assert fp8_arms_on("off", problems, render_only=True, fp8_runs=12) == (False, "fp8_arms=off")
     assert fp8_arms("auto", render_only=True, folder=tmp_path)[0] is False
     (tmp_path / "fp8_rowwise-s3").mkdir()
     (tmp_path / "fp32_layout-s0").mkdir()

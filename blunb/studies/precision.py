@@ -212,27 +212,13 @@ FP8_ARMS = {f"fp8_{recipe}": f"model.fp8={recipe}" for recipe in FP8_RECIPES}
 FP8_SETTINGS = ("auto", "on", "off")
 
 
-class Fp8Facts(NamedTuple):
-    """What decides whether float8 training can run on a machine (fp8.problems checks the same)."""
-
-    device: str                          # the type of the device a run would get: "cuda" or "cpu"
-    capability: tuple[int, int] | None   # that CUDA device's compute capability (None without one)
-    torchao: str | None                  # the importable torchao's version (None without one)
-
-
-def fp8_facts() -> Fp8Facts:
-    """This machine's Fp8Facts (the first CUDA device, as a run of the study gets)."""
-    if not torch.cuda.is_available():
-        return Fp8Facts("cpu", None, fp8.torchao_version())
-    return Fp8Facts("cuda", tuple(torch.cuda.get_device_capability(0)), fp8.torchao_version())
-
-
-def fp8_arms_on(setting: str, facts: Fp8Facts, render_only: bool = False, fp8_runs: int = 0) -> tuple[bool, str]:
-    """Whether the fp8 arms join the grid, and why, from the notebook's `fp8_arms` setting and the machine's facts:
-    "on" / "off" as forced; "auto" on exactly where model.fp8 can run (a CUDA device of compute capability
-    >= fp8.MIN_CAPABILITY and torchao importable), off otherwise, saying every reason. Rendering (render_only),
-    where nothing trains, "auto" follows the study folder instead: on where it holds fp8 runs (`fp8_runs`), so
-    that GPU runs render on any machine and a folder without them renders without them."""
+def fp8_arms_on(setting: str, problems: Sequence[str], render_only: bool = False,
+                fp8_runs: int = 0) -> tuple[bool, str]:
+    """Whether the fp8 arms join the grid, and why, from the notebook's `fp8_arms` setting and fp8.problems of the
+    device a run would get: "on" / "off" as forced; "auto" on exactly where model.fp8 can run (no problem), off
+    otherwise, saying every problem. Rendering (render_only), where nothing trains, "auto" follows the study folder
+    instead: on where it holds fp8 runs (`fp8_runs`), so that GPU runs render on any machine and a folder without
+    them renders without them."""
     if setting not in FP8_SETTINGS:
         raise ValueError(f"fp8_arms must be one of {FP8_SETTINGS}, got {setting!r}")
     if setting != "auto":
@@ -240,32 +226,21 @@ def fp8_arms_on(setting: str, facts: Fp8Facts, render_only: bool = False, fp8_ru
     if render_only:
         return (True, f"fp8_arms=auto, render_only: on, the study folder holds {fp8_runs} fp8 run(s)") if fp8_runs \
             else (False, "fp8_arms=auto, render_only: off, the study folder holds no fp8 run")
-    need = ".".join(map(str, fp8.MIN_CAPABILITY))
-    missing = []
-    if facts.device != "cuda" or facts.capability is None:
-        missing.append(f"no CUDA device (this one: {facts.device})")
-    elif tuple(facts.capability) < fp8.MIN_CAPABILITY:
-        missing.append(f"compute capability {'.'.join(map(str, facts.capability))} < {need}")
-    if facts.torchao is None:
-        missing.append(f"torchao not importable (pip install 'blunb[fp8]': {fp8.TORCHAO})")
-    if missing:
-        return False, f"fp8_arms=auto: off here, {' and '.join(missing)}; float8 training needs a GPU of compute " \
-                      f"capability >= {need} and torchao"
-    return True, f"fp8_arms=auto: on here, compute capability {'.'.join(map(str, facts.capability))} and torchao " \
-                 f"{facts.torchao}"
+    if problems:
+        return False, "fp8_arms=auto: off here: " + "; ".join(problems)
+    return True, f"fp8_arms=auto: on here (torchao {fp8.torchao_version()})"
 
 
 def fp8_arms(setting: str, render_only: bool = False, folder: str | Path | None = None) -> tuple[bool, str]:
-    """fp8_arms_on for this machine and the study `folder` (its fp8 runs count when rendering). Forced on where
-    runs would train (not render_only), each recipe is checked here first (fp8.check): a machine that cannot run
-    it stops with fp8's own error before any arm trains."""
+    """fp8_arms_on for this machine's first device (what a run of the study gets) and the study `folder` (its fp8
+    runs count when rendering). Forced on where runs would train (not render_only), a machine that cannot run
+    model.fp8 stops here with every problem, before any arm trains."""
     runs = [d for arm in FP8_ARMS for d in Path(folder).glob(f"{arm}-s*")] if folder is not None else []
-    on, why = fp8_arms_on(setting, fp8_facts(), render_only, len(runs))
-    if on and setting == "on" and not render_only:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        for recipe in FP8_RECIPES:
-            fp8.check(recipe, device)
-    return on, why
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    problems = fp8.problems(device)
+    if setting == "on" and not render_only and problems:
+        raise ConfigError("fp8_arms=on, but model.fp8 cannot run here: " + "; ".join(problems))
+    return fp8_arms_on(setting, problems, render_only, len(runs))
 
 
 def fp8_arm_seeds(on: bool, seeds: Sequence[int], fp8_seeds: Sequence[int], base: str) -> dict[str, list[int]]:
