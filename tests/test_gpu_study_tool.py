@@ -81,3 +81,34 @@ def test_results_folder_must_be_named(tmp_path):
     refused = subprocess.run(["bash", str(TOOL), "collect", tmp_path, tmp_path], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "set BLUNB_RESULTS" in refused.stderr
+
+
+def test_unpack_extracts_new_runs_and_refuses_to_replace_any(tmp_path):
+    """Back home, the collected runs go into the committed study folder; one already there (e.g. a run the GPU
+    machine re-trained) stops the whole unpack before anything is extracted."""
+    remote, out, home = tmp_path / "remote" / "study", tmp_path / "out", tmp_path / "home" / "study"
+    out.mkdir()
+    fake_run(remote, "a-s0", "completed")
+    assert run_tool("collect", remote, out, 0, results=tmp_path / "remote").returncode == 0
+    fake_run(remote, "b-s0", "completed")
+    assert run_tool("collect", remote, out, 0, results=tmp_path / "remote").returncode == 0
+    archives = sorted(out.glob("runs-*.tgz"))
+    assert len(archives) == 2  # two collects within one second: the second archive gets a name of its own
+    env = {k: v for k, v in os.environ.items() if k != "BLUNB_RESULTS"}  # not needed here
+    unpack = subprocess.run(["bash", str(TOOL), "unpack", *archives, home], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert unpack.returncode == 0, unpack.stderr
+    assert "unpacked 2 run(s)" in unpack.stdout
+    assert (home / "a-s0" / "metrics.csv").read_text() == "step,train_loss\n0,3.5\n"
+    assert not (home / "a-s0" / "checkpoints").exists()
+
+    (home / "b-s0" / "metrics.csv").write_text("committed\n")
+    (home / "a-s0").rename(home / "a-s0.kept")
+    again = subprocess.run(["bash", str(TOOL), "unpack", *archives, home], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 1 and "already in" in again.stderr and "b-s0" in again.stderr
+    assert not (home / "a-s0").exists()                                   # nothing extracted, not even a-s0
+    assert (home / "b-s0" / "metrics.csv").read_text() == "committed\n"
+    twice = subprocess.run(["bash", str(TOOL), "unpack", archives[0], archives[0], tmp_path / "new"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert twice.returncode == 1 and "in more than one archive: " in twice.stderr

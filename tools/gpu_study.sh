@@ -8,6 +8,9 @@
 #       waits until the study process ends, WAIT_S seconds pass, or COMPLETED runs of STUDY_FOLDER are
 #       completed; then packs every completed run not packed before (checkpoints left out) into
 #       OUT_DIR/runs-<time>.tgz, copies the log, and prints each run's last metrics row.
+#   tools/gpu_study.sh unpack ARCHIVE... STUDY_FOLDER
+#       (back here) extracts the collected runs into STUDY_FOLDER, refusing before extracting anything
+#       when a run is already there (a re-trained run must not replace a committed one unnoticed).
 #
 # Why: a command that holds the runs in its own process loses them when it is cut off, and a machine
 # handed back between two commands loses everything not yet fetched. Here each command fetches what
@@ -15,10 +18,10 @@
 set -euo pipefail
 # PYTHON: the interpreter with blunb importable (python3 if unset).
 
-usage() { sed -n '2,11p' "$0" >&2; exit 2; }
+usage() { sed -n '2,14p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 mode=$1; shift
-results=${BLUNB_RESULTS:?set BLUNB_RESULTS: where the study writes its folder}
+[ "$mode" = unpack ] || results=${BLUNB_RESULTS:?set BLUNB_RESULTS: where the study writes its folder}
 
 case "$mode" in
 start)
@@ -67,7 +70,9 @@ collect)
   done
   echo "completed and not fetched before: ${new[*]:-none} ($(completed) completed in all)"
   if [ ${#new[@]} -gt 0 ]; then
-    tar czf "$out/runs-$(date +%Y%m%d-%H%M%S).tgz" --exclude=checkpoints -C "$folder" "${new[@]}"
+    archive="$out/runs-$(date +%Y%m%d-%H%M%S).tgz" n=1
+    while [ -e "$archive" ]; do archive="$out/runs-$(date +%Y%m%d-%H%M%S)-$n.tgz"; n=$((n + 1)); done  # never over one
+    tar czf "$archive" --exclude=checkpoints -C "$folder" "${new[@]}"
     printf '%s\n' "${new[@]}" >> "$packed"
   fi
   cp "$results"/*.log "$out"/ 2> /dev/null || true  # the runner's progress and any traceback
@@ -75,6 +80,29 @@ collect)
     [ -e "$metrics" ] || continue  # a study folder with no run yet: the unmatched glob itself
     echo "$(basename "$(dirname "$metrics")"): $(tail -1 "$metrics" | cut -c1-60)"
   done
+  ;;
+unpack)
+  [ $# -ge 2 ] || usage
+  folder=${!#}
+  archives=("${@:1:$#-1}")
+  runs=()
+  for archive in "${archives[@]}"; do
+    [ -f "$archive" ] || { echo "no archive $archive" >&2; exit 2; }
+    mapfile -t names < <(tar tzf "$archive" | cut -d/ -f1 | sort -u)
+    runs+=("${names[@]}")
+  done
+  clashes=()
+  for run in "${runs[@]}"; do [ -e "$folder/$run" ] && clashes+=("$run"); done
+  repeated=$(printf '%s\n' "${runs[@]}" | sort | uniq -d | tr '\n' ' ')
+  if [ ${#clashes[@]} -gt 0 ] || [ -n "$repeated" ]; then
+    [ ${#clashes[@]} -gt 0 ] && echo "already in $folder: ${clashes[*]} (remove them first to replace them)" >&2
+    [ -n "$repeated" ] && echo "in more than one archive: $repeated" >&2
+    echo "nothing extracted" >&2
+    exit 1
+  fi
+  mkdir -p "$folder"
+  for archive in "${archives[@]}"; do tar xzf "$archive" --keep-old-files -C "$folder"; done
+  echo "unpacked ${#runs[@]} run(s) into $folder: ${runs[*]}"
   ;;
 *) usage ;;
 esac
