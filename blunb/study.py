@@ -125,7 +125,8 @@ class Study:
     (recorded in study.json); without it run() refuses before any work.
     replace_completed: retrain a completed run of the committed results/ whose config differs from the
     plan's; without it run() refuses before any work, naming each run and what differs (elsewhere such a
-    run is retrained with a warning).
+    run is retrained with a warning, unless $BLUNB_KEEP_COMPLETED is 1: tools/gpu_study.sh sets it, since
+    there the folder holds the committed runs copied over).
     executor: None or "local" (this machine's processes), or a submitit executor (AutoExecutor for SLURM,
     LocalExecutor): one job per run, GPUs / partition / time limit from its parameters (see the module
     docstring); runs_per_gpu and the GPU slots do not apply there, max_parallel caps the jobs in flight.
@@ -184,8 +185,10 @@ class Study:
         if not replaced or self.render_only:
             return
         listing = "; ".join(f"{name} ({change})" for name, change in replaced)
-        if published and not self.replace_completed:
-            raise StudyError(f"study {self.name!r} would replace {len(replaced)} completed run(s) of the committed "
+        keep = published or os.environ.get(KEEP_COMPLETED_ENV) == "1"
+        if keep and not self.replace_completed:
+            where = "the committed" if published else f"{KEEP_COMPLETED_ENV}=1:"
+            raise StudyError(f"study {self.name!r} would replace {len(replaced)} completed run(s) of {where} "
                              f"{self.folder} whose config differs from this plan's: {listing}. Give the study "
                              "another name, delete those run folders (git keeps them), or pass replace_completed=True")
         log.warning(f"{self.name}: retraining {len(replaced)} completed run(s) whose config changed: {listing}")
@@ -556,6 +559,10 @@ def _cache_action(plan: _Planned, nproc: int) -> str:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
     return "cached" if status.get("state") == "completed" else "resume"
+
+
+# Set to 1, a study refuses to retrain completed runs whose config changed wherever its folder is (see Study).
+KEEP_COMPLETED_ENV = "BLUNB_KEEP_COMPLETED"
 
 
 def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:

@@ -112,3 +112,19 @@ def test_unpack_extracts_new_runs_and_refuses_to_replace_any(tmp_path):
     twice = subprocess.run(["bash", str(TOOL), "unpack", archives[0], archives[0], tmp_path / "new"], env=env,
                            capture_output=True, text=True, timeout=60)
     assert twice.returncode == 1 and "in more than one archive: " in twice.stderr
+
+
+def test_start_runs_the_study_with_completed_runs_kept(tmp_path):
+    """The study folder on the GPU machine holds the committed runs: `start` sets BLUNB_KEEP_COMPLETED=1, under
+    which a changed plan stops instead of retraining them (blunb.study.Study)."""
+    import nbformat
+
+    seen = tmp_path / "seen.txt"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("study = 'x'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(f"import os\nopen({str(seen)!r}, 'w').write(os.environ.get('BLUNB_KEEP_COMPLETED', ''))")])
+    path = tmp_path / "probe.ipynb"
+    nbformat.write(nb, path)
+    started = run_tool("start", path, results=tmp_path / "results")
+    assert started.returncode == 0, started.stderr
+    assert seen.read_text() == "1"

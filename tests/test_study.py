@@ -122,6 +122,10 @@ def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, m
         changed.run()
     # Not committed results: retrained, with a warning saying which and why (no_launch stops the launch).
     published["published"] = False
+    monkeypatch.setenv("BLUNB_KEEP_COMPLETED", "1")  # tools/gpu_study.sh: the committed runs copied to a GPU machine
+    with pytest.raises(StudyError, match=r"replace 1 completed run\(s\) of BLUNB_KEEP_COMPLETED=1: .*b-s0 "):
+        changed.run()
+    monkeypatch.delenv("BLUNB_KEEP_COMPLETED")
     with pytest.raises(AssertionError, match="a process was started"):
         changed.run()
     assert any("retraining 1 completed run(s) whose config changed: b-s0 (world size: 2 -> 1)" in r.getMessage()

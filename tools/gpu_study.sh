@@ -35,7 +35,8 @@ start)
   fi
   rc_file="$log.rc"
   rm -f "$rc_file"
-  PYTHONUNBUFFERED=1 setsid nohup bash -c 'python=$0 rc_file=$1; shift 1; "$python" -m blunb.study "$@"; echo $? > "$rc_file"' \
+  # The folder holds the committed runs copied over: a changed plan must stop, not retrain them (blunb.study).
+  BLUNB_KEEP_COMPLETED=1 PYTHONUNBUFFERED=1 setsid nohup bash -c 'python=$0 rc_file=$1; shift 1; "$python" -m blunb.study "$@"; echo $? > "$rc_file"' \
     "${PYTHON:-python3}" "$rc_file" "$notebook" --script "$@" > "$log" 2>&1 < /dev/null &
   for _ in $(seq 20); do [ -f "$rc_file" ] && break; sleep 1; done
   # A parameter error stops the study within seconds: report it now, not at the first collect.
