@@ -122,7 +122,7 @@ def test_start_runs_the_study_with_completed_runs_kept(tmp_path):
     seen = tmp_path / "seen.txt"
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("study = 'x'", metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell(f"import os\nopen({str(seen)!r}, 'w').write(os.environ.get('BLUNB_KEEP_COMPLETED', ''))")])
+        nbformat.v4.new_code_cell(f"import os\nopen({str(seen)!r}, 'w').write(os.environ['BLUNB_KEEP_COMPLETED'])")])
     path = tmp_path / "probe.ipynb"
     nbformat.write(nb, path)
     started = run_tool("start", path, results=tmp_path / "results")
