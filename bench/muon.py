@@ -3,9 +3,10 @@
   1 GPU:   PYTHONPATH=. python3 bench/muon.py --out results/bench/muon.csv
   2 GPUs:  PYTHONPATH=. torchrun --standalone --nproc_per_node=2 bench/muon.py --sharded --out results/bench/muon.csv
   CPU:     PYTHONPATH=. python3 bench/muon.py --smoke --out /tmp/muon.csv   (tiny shapes: checks it runs)
-  Coefficient schedules (muon_ns_schedule) at the presets' own shapes, 1 GPU:
-           PYTHONPATH=. python3 bench/muon.py --schedules fixed,polar_express --presets 124m,1b \
-               --out results/bench/muon_schedules.csv
+  Coefficient schedules (muon_ns_schedule, each at its own step count) and starts (muon_ns_precondition) at the
+  presets' own shapes, 1 GPU:
+           PYTHONPATH=. python3 bench/muon.py --schedules fixed:5,fixed:4,polar_express:4 --preconditions none,aol \
+               --presets 124m,1b --out results/bench/muon_schedules.csv
 
 (a) NS5 per call, bf16, on 1024^2, 2048x8192, 8192x2048 (tall: run in its own layout; compare
     with its transpose), 3072^2, 3072x8192: eager cuBLAS vs CUDA-graph replay vs graph +
@@ -22,8 +23,9 @@
     every rank of the torchrun (rows appended to the same CSV, with the ratio to the 1-GPU row
     of the same case and schedule when present). Step time is wall-clock per step over several
     synchronized steps, after two warm-up steps (eager, then capture).
-Every ShardedMuon / NS row runs once per --schedules entry (newton_schulz.NS_SCHEDULES; default fixed),
-named in the ns_schedule column; torch.optim.Muon's rows are its own fixed coefficients.
+Every ShardedMuon / NS row runs once per --schedules entry (newton_schulz.NS_SCHEDULES, "name" at --ns-steps or
+"name:steps"; default fixed) and --preconditions entry (default none), named in the ns_schedule, ns_steps and
+ns_precondition columns; torch.optim.Muon's rows are its own fixed coefficients at --ns-steps.
 """
 
 from __future__ import annotations
@@ -34,18 +36,64 @@ import logging
 import os
 import platform
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from blunb.config import PRESETS, preset
 from blunb.optim import ShardedMuon
-from blunb.optim.newton_schulz import NS_SCHEDULES, NewtonSchulz
+from blunb.optim.newton_schulz import NS_SCHEDULES, PRECONDITIONS, NewtonSchulz
 
 log = logging.getLogger("bench.muon")
 
-COLUMNS = ["section", "case", "shape", "impl", "ns_schedule", "world", "host_us_per_call", "gpu_ms", "step_ms",
-           "speedup_vs_baseline", "note", "device", "torch", "triton", "python"]
+COLUMNS = ["section", "case", "shape", "impl", "ns_schedule", "ns_steps", "ns_precondition", "world",
+           "host_us_per_call", "gpu_ms", "step_ms", "speedup_vs_baseline", "note",
+           "device", "torch", "triton", "python"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One Newton-Schulz setting to time: what muon_ns_schedule, muon_ns_steps and muon_ns_precondition select."""
+    schedule: str
+    steps: int
+    precondition: str = "none"
+
+    @property
+    def label(self) -> str:
+        return f"NS{self.steps} {self.schedule}" + ("" if self.precondition == "none" else f"+{self.precondition}")
+
+    def columns(self) -> dict:
+        return {"ns_schedule": self.schedule, "ns_steps": self.steps, "ns_precondition": self.precondition}
+
+
+def parse_variants(schedules: str, ns_steps: int, preconditions: str = "none") -> list[Variant]:
+    """--schedules x --preconditions: "fixed,polar_express" (each at ns_steps) or "fixed:5,polar_express:4" (each at
+    its own count; forms mix), times every precondition, in the order given. ValueError names what is wrong."""
+    pairs = []
+    for entry in (e.strip() for e in schedules.split(",")):
+        if not entry:
+            continue
+        name, _, steps = entry.partition(":")
+        if name not in NS_SCHEDULES:
+            raise ValueError(f"--schedules: unknown schedule {name!r} (known: {', '.join(NS_SCHEDULES)})")
+        if steps and not steps.isdigit():
+            raise ValueError(f"--schedules: {entry!r} is not name or name:steps")
+        pairs.append((name, int(steps) if steps else ns_steps))
+    precs = [p.strip() for p in preconditions.split(",") if p.strip()]
+    unknown = [p for p in precs if p not in PRECONDITIONS]
+    if unknown:
+        raise ValueError(f"--preconditions: unknown {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(PRECONDITIONS)})")
+    if not pairs or not precs:
+        raise ValueError("--schedules and --preconditions each need at least one entry")
+    if any(steps < 1 for _, steps in pairs):
+        raise ValueError(f"Newton-Schulz steps must be >= 1 (--ns-steps or name:steps), got {schedules!r} with "
+                         f"--ns-steps {ns_steps}")
+    variants = [Variant(name, steps, prec) for name, steps in pairs for prec in precs]
+    if len(set(variants)) != len(variants):
+        raise ValueError(f"--schedules / --preconditions repeat a setting: {[v.label for v in variants]}")
+    return variants
 
 
 def _env(device: torch.device) -> dict:
@@ -96,25 +144,25 @@ def ns_cases(smoke, presets):
     return [(f"{m}x{n}", 1, m, n) for m, n in shapes]
 
 
-def bench_ns(rows, device, smoke, presets, schedules, steps):
+def bench_ns(rows, device, smoke, presets, variants):
     impls = [("eager", dict(graphs=False, syrk=False))]
     if device.type == "cuda":
         impls += [("graph", dict(graphs=True, syrk=False)), ("graph+syrk", dict(graphs=True, syrk=True))]
     for case, b, m, n in ns_cases(smoke, presets):
-        base = None  # the first schedule's eager call, so schedules compare within a shape
-        for schedule in schedules:
+        base = None  # the first variant's eager call, so variants compare within a shape
+        for v in variants:
             for impl, kw in impls:
-                ns = NewtonSchulz(steps, schedule, **kw)
+                ns = NewtonSchulz(v.steps, v.schedule, precondition=v.precondition, **kw)
                 stage = ns.stage(b, m, n, device)
                 stage.copy_(torch.randn(b, m, n, device=device))
                 for _ in range(3):  # eager/autotune, capture, replay
                     ns.run(stage)
                 host, gpu = host_and_gpu(lambda ns=ns, stage=stage: ns.run(stage), device)
                 base = base or gpu
-                rows.append(dict(section=f"ns{steps}", case=case, shape=f"{b}x{m}x{n}", impl=impl,
-                                 ns_schedule=schedule, host_us_per_call=host, gpu_ms=gpu,
-                                 speedup_vs_baseline=base / gpu, note=f"baseline: eager cuBLAS, {schedules[0]}"))
-                log.info("NS%d %s %s %-11s host %8.1f us  gpu %7.3f ms", steps, case, schedule, impl, host, gpu)
+                rows.append(dict(section=f"ns{v.steps}", case=case, shape=f"{b}x{m}x{n}", impl=impl, **v.columns(),
+                                 host_us_per_call=host, gpu_ms=gpu, speedup_vs_baseline=base / gpu,
+                                 note=f"baseline: eager cuBLAS, {variants[0].label}"))
+                log.info("%s %s %-11s host %8.1f us  gpu %7.3f ms", v.label, case, impl, host, gpu)
 
 
 def bench_syrk(rows, device, smoke):
@@ -175,66 +223,98 @@ def step_ms(make, device, shapes, steps):
 DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
-def bench_step(rows, device, name, world, schedules, ns_steps):
+def sharded_muon(variant: Variant, **kw):
+    """A ShardedMuon factory running `variant` (its engine replaced for a precondition, as blunb.optim.build does)."""
+    def make(ps):
+        opt = ShardedMuon(ps, lr=8e-4, weight_decay=0.1, ns_steps=variant.steps, ns_coefficients=variant.schedule,
+                          verbose=False, **kw)
+        if variant.precondition != "none":
+            opt.ns = NewtonSchulz(variant.steps, variant.schedule, precondition=variant.precondition,
+                                  graphs=kw.get("ns_graphs"), syrk=kw.get("ns_syrk"))
+        return opt
+    return make
+
+
+def bench_step(rows, device, name, world, variants, ns_steps):
     shapes = body_shapes(name)
     n = sum(a * b for a, b in shapes)
     case, steps = f"{name} body: {len(shapes)} matrices, {n / 1e6:.0f}M params", 2 if name == "tiny" else 5
-    impls = []  # (impl, ns_schedule, make)
-    for sched in schedules:
-        kw = dict(lr=8e-4, weight_decay=0.1, ns_steps=ns_steps, ns_coefficients=sched, verbose=False)
+    impls = []  # (impl, Variant or None, make)
+    for v in variants:
         if world == 1:
-            impls += [("ShardedMuon eager NS", sched, lambda ps, kw=kw: ShardedMuon(ps, ns_graphs=False, ns_syrk=False,
-                                                                                   **kw)),
-                      ("ShardedMuon graphs+syrk(auto)", sched, lambda ps, kw=kw: ShardedMuon(ps, **kw))]
+            impls += [("ShardedMuon eager NS", v, sharded_muon(v, ns_graphs=False, ns_syrk=False)),
+                      ("ShardedMuon graphs+syrk(auto)", v, sharded_muon(v))]
         else:
-            impls += [(f"ShardedMuon {coll} x{world}", sched,
-                       lambda ps, kw=kw, coll=coll: ShardedMuon(ps, collective=coll, **kw))
+            impls += [(f"ShardedMuon {coll} x{world}", v, sharded_muon(v, collective=coll))
                       for coll in ("rs_ag", "reduce_bcast")]
     if world == 1:
-        impls.insert(0, ("torch.optim.Muon", "fixed", lambda ps: torch.optim.Muon(
+        impls.insert(0, ("torch.optim.Muon", Variant("fixed", ns_steps), lambda ps: torch.optim.Muon(
             ps, lr=8e-4, weight_decay=0.1, ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw")))
         if device.type == "cuda":
-            impls.append(("torch.optim.AdamW fused (scale)", "", lambda ps: torch.optim.AdamW(ps, lr=8e-4, fused=True)))
+            impls.append(("torch.optim.AdamW fused (scale)", None,
+                          lambda ps: torch.optim.AdamW(ps, lr=8e-4, fused=True)))
     base = None
-    for impl, sched, make in impls:
+    for impl, v, make in impls:
         ms = step_ms(make, device, shapes, steps)
         base = base or ms
-        rows.append(dict(section="step", case=case, shape=f"{name} body", impl=impl, ns_schedule=sched,
+        rows.append(dict(section="step", case=case, shape=f"{name} body", impl=impl, **(v.columns() if v else {}),
                          world=world, step_ms=ms, speedup_vs_baseline=base / ms,
                          note="baseline: " + impls[0][0]))
         if (not dist.is_initialized()) or dist.get_rank() == 0:
-            log.info("step %s %-34s %-13s %8.2f ms  (x%.2f)", name, impl, sched, ms, base / ms)
+            log.info("step %s %-34s %-18s %8.2f ms  (x%.2f)", name, impl, v.label if v else "", ms, base / ms)
 
 
-def one_gpu_reference(path) -> dict[tuple[str, str], float]:
-    """The 1-GPU graphs+syrk step times in an existing CSV by (case, ns_schedule), for the sharded ratio."""
+def reference_key(row: dict) -> tuple:
+    """What a sharded row is compared on with the 1-GPU row: case and the Newton-Schulz setting (CSV cells are
+    strings, so the steps are too)."""
+    return row["case"], row["ns_schedule"], str(row["ns_steps"]), row["ns_precondition"]
+
+
+def one_gpu_reference(path) -> dict[tuple, float]:
+    """The 1-GPU graphs+syrk step times in an existing CSV by reference_key, for the sharded ratio."""
     try:
         with open(path) as f:
-            return {(r["case"], r["ns_schedule"]): float(r["step_ms"]) for r in csv.DictReader(f)
+            return {reference_key(r): float(r["step_ms"]) for r in csv.DictReader(f)
                     if r["section"] == "step" and r["impl"] == "ShardedMuon graphs+syrk(auto)"}
     except (OSError, KeyError, ValueError):
         return {}
 
 
-def main():
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[Variant], list[str]]:
+    """The options, the Newton-Schulz variants to time and the presets; a bad value exits with a usage error."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench/muon.csv")
     ap.add_argument("--sharded", action="store_true", help="under torchrun: the sharded optimizer step only")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (or GPU): checks the script runs")
     ap.add_argument("--schedules", default="fixed",
-                    help=f"comma-separated Newton-Schulz coefficient schedules, of {', '.join(NS_SCHEDULES)}")
+                    help=f"comma-separated Newton-Schulz coefficient schedules, of {', '.join(NS_SCHEDULES)}, each "
+                         "at --ns-steps or at its own count as name:steps (fixed:5,polar_express:4)")
+    ap.add_argument("--preconditions", default="none",
+                    help=f"comma-separated Newton-Schulz starts (muon_ns_precondition), of {', '.join(PRECONDITIONS)}; "
+                         "each schedule entry runs with each")
     ap.add_argument("--presets", default="",
                     help="comma-separated presets whose body shapes the NS and step sections use "
                          "(default: the fixed NS shapes and the 1b body; tiny under --smoke)")
-    ap.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (muon_ns_steps)")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    schedules = [s for s in args.schedules.split(",") if s]
+    ap.add_argument("--ns-steps", type=int, default=5,
+                    help="Newton-Schulz iterations (muon_ns_steps) of a schedule given without :steps, and of "
+                         "torch.optim.Muon's row")
+    args = ap.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
-    unknown = [s for s in schedules if s not in NS_SCHEDULES] + [p for p in presets if p not in PRESETS]
-    if unknown or not schedules or args.ns_steps < 1:
-        ap.error(f"--schedules takes {', '.join(NS_SCHEDULES)}; --presets {', '.join(PRESETS)}; --ns-steps >= 1 "
-                 f"(got unknown {unknown or 'none'}, {len(schedules)} schedules, --ns-steps {args.ns_steps})")
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        ap.error(f"--presets takes {', '.join(PRESETS)}; got unknown {', '.join(unknown)}")
+    if args.ns_steps < 1:
+        ap.error(f"--ns-steps must be >= 1, got {args.ns_steps}")
+    try:
+        variants = parse_variants(args.schedules, args.ns_steps, args.preconditions)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args, variants, presets
+
+
+def main():
+    args, variants, presets = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     world, rank = 1, 0
@@ -253,17 +333,17 @@ def main():
     step_presets = presets or ["tiny" if args.smoke else "1b"]
     if args.sharded:
         for name in step_presets:
-            bench_step(rows, device, name, world, schedules, args.ns_steps)
+            bench_step(rows, device, name, world, variants, args.ns_steps)
         refs = one_gpu_reference(args.out)
         for r in rows:
-            ref = refs.get((r["case"], r["ns_schedule"]))
+            ref = refs.get(reference_key(r))
             if ref is not None:
                 r["note"] += f"; ratio to the 1-GPU graphs+syrk step ({ref:.2f} ms): {r['step_ms'] / ref:.3f}"
     else:
-        bench_ns(rows, device, args.smoke, presets, schedules, args.ns_steps)
+        bench_ns(rows, device, args.smoke, presets, variants)
         bench_syrk(rows, device, args.smoke)
         for name in step_presets:
-            bench_step(rows, device, name, 1, schedules, args.ns_steps)
+            bench_step(rows, device, name, 1, variants, args.ns_steps)
 
     if rank == 0:
         env = _env(device)

@@ -68,9 +68,10 @@ DATA_ORDERS = ("windows", "shards")
 OPTIONAL_SEEDS = ("data_seed", "init_seed")
 # What a config.json without a field was run with, where that is not today's default or may stop being it: such
 # a run must not pass for one of today's (TrainConfig.from_dict, the study cache). "model" holds ModelConfig's.
-# muon_ns_schedule: every run before the field ran the fixed coefficients, whatever the default becomes.
-PREDATED = {"data_order": "shards", "compile": False, "muon_ns_schedule": "fixed", "cuda_graph": False,
-            "model": {"chunked_ce": False}}
+# muon_ns_schedule, muon_ns_precondition: every run before the field ran the fixed coefficients from a Frobenius-
+# normalized start, whatever the default becomes.
+PREDATED = {"data_order": "shards", "compile": False, "muon_ns_schedule": "fixed", "muon_ns_precondition": "none",
+            "cuda_graph": False, "model": {"chunked_ce": False}}
 
 
 def _merged(under: dict, over: dict) -> dict:
@@ -202,6 +203,10 @@ class TrainConfig:
     # one quintic at every step) or "polar_express" (Amsel et al. 2025: each step's own minimax quintic, bf16 safety
     # factor; past its 8 published steps the last one repeats, the paper's rule). muon_ns_steps counts either.
     muon_ns_schedule: str = "fixed"
+    # The first iteration's start (newton_schulz.PRECONDITIONS): "none" (X / ||X||_F, torch.optim.Muon's) or "aol"
+    # (then each row scaled by AOL's 1 / sqrt(sum_j |(X X^T)_ij|), Turbo-Muon's start: the small singular values start
+    # higher, about one fixed-quintic iteration's worth, at no extra GEMM). The schedule's coefficients stay.
+    muon_ns_precondition: str = "none"
     muon_adjust_lr: str = "match_rms_adamw"  # or "original"
     # ZeRO-1 switches (the seed's A/B flags)
     collective: str = "rs_ag"       # AdamW groups: "rs_ag" | "reduce_bcast"
@@ -281,11 +286,12 @@ class TrainConfig:
         from blunb.optim.build import OPTIMIZERS
         from blunb.optim.layout import COLLECTIVES, REDUCE_DTYPES
         from blunb.optim.muon import ADJUST_LR
-        from blunb.optim.newton_schulz import NS_SCHEDULES
+        from blunb.optim.newton_schulz import NS_SCHEDULES, PRECONDITIONS
 
         choices = {"optimizer": tuple(OPTIMIZERS), "collective": COLLECTIVES,
                    "muon_collective": COLLECTIVES, "reduce_dtype": tuple(REDUCE_DTYPES), "muon_adjust_lr": ADJUST_LR,
-                   "muon_ns_schedule": tuple(NS_SCHEDULES), "nan_policy": ("step", "group")}
+                   "muon_ns_schedule": tuple(NS_SCHEDULES), "muon_ns_precondition": PRECONDITIONS,
+                   "nan_policy": ("step", "group")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

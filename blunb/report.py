@@ -70,8 +70,9 @@ def start_lines(run: _Run, facts: dict, data_dir: Path, meta: dict) -> list[str]
     lines.append(f"  weight decay on {o['decayed_params']:,} params (>= 2-D), none on {o['non_decayed_params']:,}")
     if "muon" in o:
         m = o["muon"]
+        start = "" if m["ns_precondition"] == "none" else f"+{m['ns_precondition']}"  # e.g. "NS4 fixed+aol"
         lines.append(f"  muon: {m['matrices']} matrices, lr {m['lr_max']:g} -> {m['lr_min']:g}, momentum "
-                     f"{m['momentum']}, nesterov {m['nesterov']}, NS{m['ns_steps']} {m['ns_schedule']}, "
+                     f"{m['momentum']}, nesterov {m['nesterov']}, NS{m['ns_steps']} {m['ns_schedule']}{start}, "
                      f"adjust_lr {m['adjust_lr']}, wd {m['weight_decay']:g}, collective buckets "
                      f"{m['comm_buffer_bytes'] / 2**20:.1f} MiB")
     if "refresh_stages" in facts:

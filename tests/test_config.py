@@ -148,6 +148,7 @@ def test_non_finite_floats_are_rejected_by_name(name, value):
     (["muon_collective=allreduce"], "muon_collective must be one of"),
     (["muon_ns_schedule=polar"], r"muon_ns_schedule must be one of \('fixed', 'polar_express'\), got 'polar'"),
     (["muon_ns_steps=0"], "muon_ns_steps must be >= 1"),
+    (["muon_ns_precondition=AOL"], r"muon_ns_precondition must be one of \('none', 'aol'\), got 'AOL'"),
     (["nan_policy=ignore"], "nan_policy must be one of"),
     (["collective_timeout_s=0"], "collective_timeout_s must be positive"),
     (["val_tokens=-1"], "val_tokens must be >= 0"),
@@ -282,5 +283,26 @@ def test_the_ns_schedule_defaults_to_fixed_and_a_config_json_from_before_it_read
     assert TrainConfig.from_dict(json.loads(cfg.to_json())).muon_ns_schedule == "polar_express"
     cfg.muon_ns_schedule = "polar-express"
     with pytest.raises(ConfigError, match="muon_ns_schedule must be one of .*'fixed', 'polar_express'"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_ns_precondition_defaults_to_none_and_a_config_json_from_before_it_reads_as_none(tmp_path):
+    """muon_ns_precondition: none unless set (the Frobenius-normalized start every run had), an old config.json
+    reads as none (config.PREDATED), aol round-trips, and an unknown name stops the trainer before any work, the
+    run folder not created."""
+    from blunb.config import PREDATED, predated_defaults
+    from blunb.train import train
+
+    assert preset("tiny").muon_ns_precondition == "none" and PREDATED["muon_ns_precondition"] == "none"
+    assert predated_defaults()["muon_ns_precondition"] == "none"
+    old = json.loads(preset("tiny").to_json())
+    del old["muon_ns_precondition"]
+    assert TrainConfig.from_dict(old).muon_ns_precondition == "none"
+    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_precondition=aol", "muon_ns_steps=4"])
+    cfg.validate()
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())).muon_ns_precondition == "aol"
+    cfg.muon_ns_precondition = "turbo"
+    with pytest.raises(ConfigError, match="muon_ns_precondition must be one of .*'none', 'aol'.*got 'turbo'"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

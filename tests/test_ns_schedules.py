@@ -1,5 +1,6 @@
 """Newton-Schulz coefficient schedules (muon_ns_schedule): fixed (torch.optim.Muon's quintic) and
-polar_express (Amsel et al. 2025), against the exact polar factor, their designs, and the trainer."""
+polar_express (Amsel et al. 2025), against the exact polar factor, their designs, and the trainer; and the
+AOL start (muon_ns_precondition=aol, Turbo-Muon's): its bound, its bands, its reference, the trainer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from blunb.optim.newton_schulz import (
     NS_SCHEDULES,
     POLAR_EXPRESS_OPTIMAL,
     NewtonSchulz,
+    _aol_start,
+    _wide,
     resolve_coefficients,
     zeropower_reference,
 )
@@ -91,6 +94,10 @@ def test_bad_coefficients_are_refused_naming_the_schedules():
         NewtonSchulz(2, [(1.0, 2.0), (1.0, 2.0)])
     with pytest.raises(ValueError, match="ns_steps must be >= 1"):
         NewtonSchulz(0, "polar_express")
+    with pytest.raises(ValueError, match="unknown Newton-Schulz precondition 'AOL'; known: none, aol"):
+        NewtonSchulz(precondition="AOL")
+    with pytest.raises(ValueError, match="unknown Newton-Schulz precondition 'jacobi'"):
+        zeropower_reference(torch.ones(4, 6), precondition="jacobi")
 
 
 def _design(shape, lo, gen):
@@ -154,6 +161,26 @@ def test_the_fixed_schedule_per_iteration_is_todays_path_bit_for_bit(shape):
     per_step = NewtonSchulz(5, [MUON_COEFFICIENTS] * 5, graphs=False)(G3)
     assert torch.equal(per_step, torch_muon)
     assert torch.equal(NewtonSchulz(graphs=False)(G3), torch_muon)
+    assert torch.equal(NewtonSchulz(graphs=False, precondition="none")(G3), torch_muon)
+
+
+@pytest.mark.parametrize("shape", [(37, 101), (101, 37), (64, 64), (3, 45, 77), (3, 77, 45)])
+def test_polar_express_without_a_precondition_is_the_iteration_from_before_the_option_bit_for_bit(shape):
+    """The default start (precondition none) runs the same ops as before the AOL option existed: the
+    pre-option engine's iteration, restated here in plain batched torch (safety factor and all), every bit."""
+    torch.manual_seed(0)
+    G = torch.randn(*shape)
+    G3 = G if G.dim() == 3 else G[None]
+    schedule = NS_SCHEDULES["polar_express"]
+    X = G3.bfloat16()
+    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) * schedule.safety + 1e-7)
+    tall = X.shape[-2] > X.shape[-1]
+    for a, b, c in schedule.per_step(5):
+        Xw = X.mT if tall else X
+        A = torch.bmm(Xw, Xw.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+    assert torch.equal(NewtonSchulz(5, "polar_express", graphs=False, precondition="none")(G3), X)
 
 
 @pytest.mark.parametrize("shape", [(37, 101), (101, 37), (64, 64)])
@@ -215,3 +242,154 @@ def test_the_study_cache_reads_a_run_from_before_the_setting_as_fixed(tmp_path):
         write_status(plan.run_dir, "completed", 4, 4)
     actions = {p.arm: p.action for p in Study("s", arms, seeds=[0], steps=4, root=tmp_path)._plan()}
     assert actions == {"fixed": "cached", "pe": "overwrite"}
+
+
+# -- the AOL start (muon_ns_precondition=aol) ------------------------------------------------------------------
+
+def _row_spread(shape, gen):
+    """Gaussian, its rows (the wide orientation's) scaled by norms log-spread over [1e-2, 1]: gradients whose rows
+    differ in scale, the case a diagonal rescaling is for."""
+    G = torch.randn(*shape, generator=gen)
+    m, n = shape[-2:]
+    r = torch.logspace(-2, 0, min(m, n))[torch.randperm(min(m, n), generator=gen)]
+    return G * (r[:, None] if m <= n else r[None, :])
+
+
+def _aol_inputs():
+    """Fresh gradient-like matrices, odd tall / wide / batched shapes (no square Gaussian: its smallest singular
+    value is ~0, which no start fixes): Gaussian, row-spread, and adversarial ones (a rank-1 matrix with rows of
+    spread norms, a zero row, heavy-tailed Cauchy entries, all ones, all zeros)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(37, 101), (101, 37), (64, 160), (200, 75), (3, 45, 77), (3, 77, 45)]
+    u, v = torch.randn(50, 1, generator=gen), torch.randn(1, 80, generator=gen)
+    zero_row = torch.randn(40, 90, generator=gen)
+    zero_row[3] = 0
+    cauchy = torch.tan(math.pi * (torch.rand(70, 45, generator=gen) - 0.5))
+    return ([torch.randn(*s, generator=gen) for s in shapes] + [_row_spread(s, gen) for s in shapes]
+            + [(u * torch.logspace(-3, 0, 50)[:, None]) @ v, zero_row, cauchy, torch.ones(33, 65), torch.zeros(20, 30)])
+
+
+def _frobenius_start(G: torch.Tensor, dtype) -> torch.Tensor:
+    """The engine's input to the first iteration without a precondition: [b, rows, cols], X / ||X||_F."""
+    X = (G if G.dim() == 3 else G[None]).to(dtype)
+    return X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+
+
+@pytest.mark.parametrize("dtype, tol", [
+    (torch.float64, 1e-12),   # measured 4e-16: the bound is exact, this is fp64 round-off
+    (torch.float32, 1e-5),    # measured 5e-7
+    # the engine's own: s and the scaled entries each rounded to bf16 (<= 2^-9 relative each, so <= ~2^-8 on
+    # the norm); measured 0.0015
+    (torch.bfloat16, 2.0**-8),
+])
+@pytest.mark.parametrize("safety", [1.0, 1.01])
+def test_the_aol_start_has_spectral_norm_at_most_one_over_the_safety_factor(dtype, tol, safety):
+    """AOL's guarantee (Prach & Lampert 2022, Theorem 1), on the engine's own start function and Gram, in either
+    orientation: ||diag(s) X||_2 <= 1 / safety, never a non-finite value (zero rows and the zero matrix included),
+    and the Gram it hands on is the scaled matrix's Gram (exactly symmetric; up to rounding otherwise)."""
+    for G in _aol_inputs():
+        X = _frobenius_start(G, dtype)
+        Xw = _wide(X)
+        Xs, As = _aol_start(X, torch.bmm(Xw, Xw.mT), safety, 1e-7)
+        assert Xs.dtype == dtype and Xs.shape == X.shape and torch.isfinite(Xs).all()
+        norm = float(torch.linalg.matrix_norm(Xs.double(), ord=2).max())
+        assert norm <= (1 + tol) / safety, (tuple(G.shape), norm)
+        assert torch.equal(As, As.mT)
+        gram = _wide(Xs).double() @ _wide(Xs).double().mT
+        assert float((As.double() - gram).abs().max()) <= 4 * tol
+
+
+def test_the_aol_start_lifts_the_small_singular_values_of_gradient_like_inputs():
+    """Exact arithmetic (fp64): the smallest singular value of the start, AOL's over the Frobenius-normalized
+    one. Measured 2.9-3.8x on Gaussian matrices, 19-26x on row-spread ones (AOL undoes most of the row scaling)."""
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(37, 101), (101, 37), (64, 160), (200, 75), (3, 45, 77), (3, 77, 45)]
+    for family, low in (("gauss", 2.5), ("row-spread", 15.0)):
+        for shape in shapes:
+            G = torch.randn(*shape, generator=gen) if family == "gauss" else _row_spread(shape, gen)
+            X = _frobenius_start(G, torch.float64)
+            Xw = _wide(X)
+            Xs, _ = _aol_start(X, Xw @ Xw.mT, 1.0, 1e-7)
+            gain = torch.linalg.svdvals(Xs).min(dim=-1).values / torch.linalg.svdvals(X).min(dim=-1).values
+            assert float(gain.min()) > low, (family, shape, gain)
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "polar_express"])
+@pytest.mark.parametrize("steps", [1, 4, 5])
+@pytest.mark.parametrize("shape", [(37, 101), (101, 37), (64, 64), (3, 45, 77), (3, 77, 45)])
+def test_the_engine_with_aol_is_the_reference_bit_for_bit(schedule, steps, shape):
+    """The batched engine (bmm, a tall X in its own layout, the Gram reused) against zeropower_reference (plain
+    2-D ops on the wide transpose, one matrix at a time): every bit, on this CPU; and AOL changes the result."""
+    torch.manual_seed(0)
+    G = torch.randn(*shape)
+    G3 = G if G.dim() == 3 else G[None]
+    out = NewtonSchulz(steps, schedule, graphs=False, precondition="aol")(G3)
+    ref = torch.stack([zeropower_reference(g, steps, schedule, precondition="aol") for g in G3])
+    assert torch.equal(out, ref)
+    assert not torch.equal(out, NewtonSchulz(steps, schedule, graphs=False)(G3))
+
+
+@pytest.mark.parametrize("schedule, steps, lo, hi", [
+    ("fixed", 5, 0.6818, 1.1344),           # measured [0.679, 1.138]: no precondition [0.680, 1.138]
+    ("polar_express", 5, 0.8703, 1.1236),   # measured [0.866, 1.126]: no precondition [0.867, 1.125]
+])
+def test_the_bf16_engine_with_aol_lands_in_the_schedules_band(schedule, steps, lo, hi):
+    """The AOL start changes no schedule's design: on the schedule tests' inputs (Gaussian, and spectra spread
+    over [1e-2, 1] with random singular vectors, where AOL gains little) every output singular value lies in the
+    schedule's exact-arithmetic band widened by BF16, as without it."""
+    ns = NewtonSchulz(steps, schedule, graphs=False, precondition="aol")
+    sv = torch.cat([torch.linalg.svdvals(ns(G).double()).flatten() for G in _inputs()])
+    assert lo - BF16 < float(sv.min()) and float(sv.max()) < hi + BF16, (float(sv.min()), float(sv.max()))
+
+
+def test_with_aol_the_fixed_quintic_needs_one_iteration_less_on_row_spread_gradients():
+    """Turbo-Muon's claim, for our fixed quintic: on row-spread inputs (their smallest singular value ~1e-3 of
+    ||G||_F), 4 iterations from the AOL start land in the quintic's plateau, [0.68, 1.14] (measured [0.679, 1.139]),
+    which 5 from the Frobenius start reach only just (measured [0.677, 1.204]), 4 not at all (measured 0.303).
+    polar_express is bound by its design instead: after 4 steps its band is [0.44, 1.56] whatever the start
+    (measured with AOL [0.437, 1.562]), so it needs its 5 steps with or without AOL."""
+    gen = torch.Generator().manual_seed(3)
+    inputs = [_row_spread(s, gen) for s in [(37, 101), (101, 37), (64, 160), (200, 75), (3, 45, 77), (3, 77, 45)]]
+
+    def band(steps, schedule="fixed", precondition="none"):
+        ns = NewtonSchulz(steps, schedule, graphs=False, precondition=precondition)
+        sv = torch.cat([torch.linalg.svdvals(ns(G).double()).flatten() for G in inputs])
+        return float(sv.min()), float(sv.max())
+
+    aol4, none4, none5 = band(4, precondition="aol"), band(4), band(5)
+    assert 0.6818 - BF16 < aol4[0] and aol4[1] < 1.1344 + BF16, aol4
+    assert none4[0] < 0.4 and none5[0] > 0.6818 - BF16, (none4, none5)
+    pe4 = band(4, "polar_express", "aol")
+    assert 0.4396 - BF16 < pe4[0] < 0.5 and 1.5 < pe4[1] < 1.5604 + BF16, pe4
+
+
+def test_a_muon_run_trains_with_the_aol_start_and_records_it(tmp_path, monkeypatch):
+    """A few real steps of the tiny preset through blunb.train with muon_ns_precondition=aol at 4 steps: the
+    optimizer steps with an AOL engine, and config.json, env.json and the start-of-run line say so."""
+    from blunb.optim import build as build_mod
+    from blunb.train import train
+
+    engines = []
+    real = muon_mod.NewtonSchulz
+
+    def spy(*args, **kwargs):
+        engines.append(real(*args, **kwargs))
+        return engines[-1]
+    monkeypatch.setattr(muon_mod, "NewtonSchulz", spy)
+    monkeypatch.setattr(build_mod, "NewtonSchulz", spy)
+
+    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_precondition=aol", "muon_ns_steps=4"])
+    cfg.rescale_schedule(4)
+    run_dir = train(cfg, tmp_path / "aol")
+    own, aol = engines   # ShardedMuon's own engine, replaced by build.py's before any step
+    assert (own.precondition, aol.precondition) == ("none", "aol") and not own._slots
+    assert aol.coefficients == (MUON_COEFFICIENTS,) * 4 and sum(s.calls for s in aol._slots.values()) > 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["muon_ns_precondition"] == "aol" and config["muon_ns_steps"] == 4
+    muon_facts = json.loads((run_dir / "env.json").read_text())["training"]["optimizer"]["muon"]
+    assert muon_facts["ns_precondition"] == "aol" and muon_facts["ns_schedule"] == "fixed"
+    assert "NS4 fixed+aol" in (run_dir / "log.txt").read_text()
+    m = pd.read_csv(run_dir / "metrics.csv")
+    assert list(m["step"]) == [0, 1, 2, 3] and m["train_loss"].map(math.isfinite).all()
+    assert (m["ns_rejected"] == 0).all() and m["nsratio"].between(0.5, 1.5).all()   # healthy updates
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"

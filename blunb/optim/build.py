@@ -27,6 +27,7 @@ import torch.nn as nn
 from blunb.optim.clip import prepare_group_step
 from blunb.optim.interface import Builder, OptimizerSet, StepStats
 from blunb.optim.muon import ShardedMuon, muon_param_groups
+from blunb.optim.newton_schulz import NewtonSchulz
 from blunb.optim.schedule import wsd_lr
 from blunb.optim.zero_adamw import build_sharded_adamw
 
@@ -160,6 +161,11 @@ class ZeroOptimizers:
                                     collective=cfg.muon_collective, target_buckets=cfg.muon_buckets,
                                     reduce_dtype=cfg.reduce_dtype, overlap_backward=cfg.overlap_backward,
                                     overlap_refresh=cfg.overlap_refresh, stages=model, verbose=False)
+            if cfg.muon_ns_precondition != "none":
+                # ShardedMuon takes no precondition: its engine is replaced before any step (nothing staged or
+                # captured yet), with the same steps, schedule and automatic graphs / SYRK choice
+                self.muon.ns = NewtonSchulz(cfg.muon_ns_steps, cfg.muon_ns_schedule,
+                                            precondition=cfg.muon_ns_precondition)
             in_muon = {id(p) for p in muon_group}
             adamw_params = [p for p in adamw_params if id(p) not in in_muon]
         adamws = build_sharded_adamw(model, adamw_params, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,
@@ -199,7 +205,7 @@ class ZeroOptimizers:
         if self.muon is not None:
             facts["muon"] = {"lr_max": c.muon_lr, "lr_min": c.muon_min_lr, "momentum": c.muon_momentum,
                              "nesterov": True, "ns_steps": c.muon_ns_steps, "ns_schedule": c.muon_ns_schedule,
-                             "weight_decay": c.muon_weight_decay,
+                             "ns_precondition": c.muon_ns_precondition, "weight_decay": c.muon_weight_decay,
                              "adjust_lr": c.muon_adjust_lr, "matrices": self.muon.num_matrices(),
                              "comm_buffer_bytes": self.muon.comm_buffer_bytes()}
         return facts

@@ -8,7 +8,7 @@ small matrices; so on CUDA each (batch, rows, cols) slot is captured once as a C
 off.
 
 Details (the iteration for wide and tall X, the coefficient schedules fixed and polar_express, the
-capture rules): docs/architecture.md, section "blunb/optim/newton_schulz.py".
+capture rules): docs/architecture.md, section "blunb/optim/newton_schulz.py"; the AOL start: _aol_start.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ NS_SCHEDULES = {
 }
 
 
+# How the first iteration's input is scaled (the Muon setting muon_ns_precondition): "none" divides by the
+# Frobenius norm only (torch.optim.Muon's start, the default); "aol" then rescales its rows (_aol_start).
+PRECONDITIONS = ("none", "aol")
+
+
 def resolve_coefficients(coefficients, steps: int) -> tuple[list[tuple[float, float, float]], float]:
     """Per-step (a, b, c) list and the normalization safety factor.
 
@@ -126,14 +131,16 @@ class NewtonSchulz:
     clone) it before that; the caller may modify it in place.
 
     coefficients: see resolve_coefficients ("fixed": torch.optim.Muon's). `schedule` names it
-    ("custom" for explicit triples). graphs: None = on for CUDA unless BLUNB_NS_GRAPHS=0.
+    ("custom" for explicit triples). precondition: one of PRECONDITIONS ("aol": see _aol_start).
+    graphs: None = on for CUDA unless BLUNB_NS_GRAPHS=0.
     syrk: None = per-shape autotune verdict on CUDA (never on CPU), True/False to force.
     """
 
     def __init__(self, steps: int = 5, coefficients="fixed", eps: float = EPS,
-                 graphs: bool | None = None, syrk: bool | None = None):
+                 graphs: bool | None = None, syrk: bool | None = None, precondition: str = "none"):
         self.steps = steps
         per_step, self.safety = resolve_coefficients(coefficients, steps)
+        self.precondition = _checked_precondition(precondition)
         # A tuple: a captured graph has these values baked in as its kernels' scalars, one set per step.
         self.coefficients = tuple(per_step)
         self.schedule = coefficients if isinstance(coefficients, str) else "custom"
@@ -213,12 +220,49 @@ class NewtonSchulz:
         else:
             X = X / (norm * self.safety + self.eps)
         tall = X.shape[-2] > X.shape[-1]
-        for a, b, c in self.coefficients:
+        for i, (a, b, c) in enumerate(self.coefficients):
             Xw = _wide(X)
             A = triton_syrk(Xw) if syrk[0] else torch.bmm(Xw, Xw.mT)
+            if i == 0 and self.precondition == "aol":
+                X, A = _aol_start(X, A, self.safety, self.eps)
             B = triton_syrk(A, c, b, A) if syrk[1] else torch.baddbmm(A, A, A, beta=b, alpha=c)
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
         return X
+
+
+def _aol_start(X: torch.Tensor, A: torch.Tensor, safety: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """AOL (Prach & Lampert, "Almost-Orthogonal Layers for Efficient General-Purpose Lipschitz Networks",
+    ECCV 2022), the start of Turbo-Muon (Boissin et al., arXiv 2512.04632): (diag(s) Xw, diag(s) A diag(s)) for
+    the wide view Xw of X and its Gram A = Xw Xw^T, s_i = 1 / (safety sqrt(sum_j |A_ij|)).
+
+    Why it is a safe start: with d = s safety and A symmetric, x^T D A D x <= sum_ij |A_ij| |d_i x_i| |d_j x_j|
+    <= sum_ij |A_ij| (d_i^2 x_i^2 + d_j^2 x_j^2) / 2 = sum_i x_i^2, so ||diag(s) Xw||_2 <= 1 / safety whatever
+    the input, as with Frobenius normalization alone; but the small singular values of a gradient-like input
+    start ~3x (Gaussian) to ~20x (rows of spread norms) higher, worth about one iteration of the fixed
+    quintic (tests/test_ns_schedules.py measures it). The scaled Gram comes from A, so the first iteration
+    runs no extra GEMM. Any scale of X cancels in s; X still arrives Frobenius-normalized (Turbo-Muon drops
+    that pass), which keeps A within [-1, 1] whatever the gradient's scale (no bf16 under- or overflow) and
+    makes the eps clamp act only on rows ~0 relative to ||X||_F (a smaller s than AOL's: still within the
+    bound). The iterations after it run the engine's schedule unchanged; Turbo-Muon instead runs the last 4
+    of its 5 per-step triples (the first dropped), a retuning not adopted here.
+    """
+    s = _aol_scales(A, safety, eps)
+    X = X * (s.unsqueeze(-2) if X.shape[-2] > X.shape[-1] else s.unsqueeze(-1))  # tall: its columns are Xw's rows
+    # s_i s_j == s_j s_i bitwise, so the scaled Gram stays exactly symmetric (the SYRK of A A assumes it)
+    return X, A * (s.unsqueeze(-1) * s.unsqueeze(-2))
+
+
+def _aol_scales(A: torch.Tensor, safety: float, eps: float) -> torch.Tensor:
+    """s_i = 1 / (safety sqrt(max(sum_j |A_ij|, eps))) over A's last dim, summed in fp32 at least (one pass over A,
+    no |A| temporary), rounded once to A's dtype."""
+    row_sums = torch.linalg.vector_norm(A, ord=1, dim=-1, dtype=torch.promote_types(A.dtype, torch.float32))
+    return torch.rsqrt(row_sums.clamp(min=eps)).div(safety).to(A.dtype)
+
+
+def _checked_precondition(precondition: str) -> str:
+    if precondition not in PRECONDITIONS:
+        raise ValueError(f"unknown Newton-Schulz precondition {precondition!r}; known: {', '.join(PRECONDITIONS)}")
+    return precondition
 
 
 def _wide(X: torch.Tensor) -> torch.Tensor:
@@ -226,15 +270,20 @@ def _wide(X: torch.Tensor) -> torch.Tensor:
     return X.mT if X.shape[-2] > X.shape[-1] else X
 
 
-def zeropower_reference(G: torch.Tensor, steps: int = 5, coefficients="fixed", eps: float = EPS):
+def zeropower_reference(G: torch.Tensor, steps: int = 5, coefficients="fixed", eps: float = EPS,
+                        precondition: str = "none"):
     """torch.optim.Muon's NS on one matrix, for tests and benchmarks (plain 2-D ops), with any
-    coefficients NewtonSchulz takes."""
+    coefficients and precondition NewtonSchulz takes."""
     per_step, safety = resolve_coefficients(coefficients, steps)
+    _checked_precondition(precondition)
     X = G.bfloat16()
     tall = G.size(0) > G.size(1)
     X = X.T if tall else X
     X = X / X.norm().clamp(min=eps) if safety == 1.0 else X / (X.norm() * safety + eps)
-    for a, b, c in per_step:
+    for i, (a, b, c) in enumerate(per_step):
         A = X @ X.T
+        if i == 0 and precondition == "aol":
+            s = _aol_scales(A, safety, eps)
+            X, A = X * s[:, None], A * (s[:, None] * s[None, :])
         X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
     return X.T if tall else X
