@@ -366,7 +366,6 @@ def test_with_aol_the_fixed_quintic_needs_one_iteration_less_on_row_spread_gradi
 def test_a_muon_run_trains_with_the_aol_start_and_records_it(tmp_path, monkeypatch):
     """A few real steps of the tiny preset through blunb.train with muon_ns_precondition=aol at 4 steps: the
     optimizer steps with an AOL engine, and config.json, env.json and the start-of-run line say so."""
-    from blunb.optim import build as build_mod
     from blunb.train import train
 
     engines = []
@@ -376,14 +375,12 @@ def test_a_muon_run_trains_with_the_aol_start_and_records_it(tmp_path, monkeypat
         engines.append(real(*args, **kwargs))
         return engines[-1]
     monkeypatch.setattr(muon_mod, "NewtonSchulz", spy)
-    monkeypatch.setattr(build_mod, "NewtonSchulz", spy)
 
     cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_precondition=aol", "muon_ns_steps=4"])
     cfg.rescale_schedule(4)
     run_dir = train(cfg, tmp_path / "aol")
-    own, aol = engines   # ShardedMuon's own engine, replaced by build.py's before any step
-    assert (own.precondition, aol.precondition) == ("none", "aol") and not own._slots
-    assert aol.coefficients == (MUON_COEFFICIENTS,) * 4 and sum(s.calls for s in aol._slots.values()) > 0
+    (aol,) = engines   # ShardedMuon's engine, built with the setting
+    assert aol.precondition == "aol" and aol.coefficients == (MUON_COEFFICIENTS,) * 4 and sum(s.calls for s in aol._slots.values()) > 0
     config = json.loads((run_dir / "config.json").read_text())
     assert config["muon_ns_precondition"] == "aol" and config["muon_ns_steps"] == 4
     muon_facts = json.loads((run_dir / "env.json").read_text())["training"]["optimizer"]["muon"]

@@ -27,7 +27,6 @@ import torch.nn as nn
 from blunb.optim.clip import prepare_group_step
 from blunb.optim.interface import Builder, OptimizerSet, StepStats
 from blunb.optim.muon import ShardedMuon, muon_param_groups
-from blunb.optim.newton_schulz import NewtonSchulz
 from blunb.optim.schedule import wsd_lr
 from blunb.optim.zero_adamw import build_sharded_adamw
 
@@ -156,16 +155,11 @@ class ZeroOptimizers:
             muon_group = muon_param_groups(model)[0]["params"]
             self.muon = ShardedMuon([{"params": muon_group, "use_muon": True}], lr=cfg.muon_lr,
                                     momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
-                                    ns_coefficients=cfg.muon_ns_schedule,
+                                    ns_coefficients=cfg.muon_ns_schedule, ns_precondition=cfg.muon_ns_precondition,
                                     weight_decay=cfg.muon_weight_decay, adjust_lr=cfg.muon_adjust_lr,
                                     collective=cfg.muon_collective, target_buckets=cfg.muon_buckets,
                                     reduce_dtype=cfg.reduce_dtype, overlap_backward=cfg.overlap_backward,
                                     overlap_refresh=cfg.overlap_refresh, stages=model, verbose=False)
-            if cfg.muon_ns_precondition != "none":
-                # ShardedMuon takes no precondition: its engine is replaced before any step (nothing staged or
-                # captured yet), with the same steps, schedule and automatic graphs / SYRK choice
-                self.muon.ns = NewtonSchulz(cfg.muon_ns_steps, cfg.muon_ns_schedule,
-                                            precondition=cfg.muon_ns_precondition)
             in_muon = {id(p) for p in muon_group}
             adamw_params = [p for p in adamw_params if id(p) not in in_muon]
         adamws = build_sharded_adamw(model, adamw_params, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8,

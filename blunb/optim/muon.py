@@ -120,8 +120,9 @@ class ShardedMuon(torch.optim.Optimizer):
     Beyond the shared signature: max_grad_norm (aux-part clip; 0 disables),
     adamw_weight_decay (default weight_decay; applied to >= 2-D aux tensors only),
     ns_coefficients (a schedule name in newton_schulz.NS_SCHEDULES, "fixed" by default, or
-    (a, b, c), or ns_steps triples; see NewtonSchulz), ns_graphs / ns_syrk (None =
-    auto; see NewtonSchulz), verbose (rank-0 construction report).
+    (a, b, c), or ns_steps triples; see NewtonSchulz), ns_precondition ("none" or "aol", the
+    Newton-Schulz start; see NewtonSchulz), ns_graphs / ns_syrk (None = auto; see NewtonSchulz),
+    verbose (rank-0 construction report).
 
     reduce_dtype, overlap_backward, overlap_refresh: see the module docstring. `stages`
     (required by overlap_refresh, ignored otherwise, as ShardedAdamW): the model itself
@@ -135,7 +136,7 @@ class ShardedMuon(torch.optim.Optimizer):
                  weight_decay: float = 0.1, adjust_lr: str = "match_rms_adamw", process_group=None,
                  collective: str = "rs_ag", target_buckets: int = 6, adamw_lr: float | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, *, max_grad_norm: float = 0.0,
-                 adamw_weight_decay: float | None = None, ns_coefficients="fixed",
+                 adamw_weight_decay: float | None = None, ns_coefficients="fixed", ns_precondition: str = "none",
                  ns_graphs: bool | None = None, ns_syrk: bool | None = None, reduce_dtype: str = "param",
                  overlap_backward: bool = False, overlap_refresh: bool = False, stages=None,
                  verbose: bool = True):
@@ -167,7 +168,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if self.distributed else 1
         self.rank = dist.get_rank(process_group) if self.distributed else 0
-        self.ns = NewtonSchulz(ns_steps, ns_coefficients, graphs=ns_graphs, syrk=ns_syrk)
+        self.ns = NewtonSchulz(ns_steps, ns_coefficients, graphs=ns_graphs, syrk=ns_syrk, precondition=ns_precondition)
         self.device = (muon + aux)[0].device
         self.reduce_dtype = reduce_dtype
         self.overlap_backward = overlap_backward and self.world > 1
