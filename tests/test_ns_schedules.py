@@ -380,7 +380,8 @@ def test_a_muon_run_trains_with_the_aol_start_and_records_it(tmp_path, monkeypat
     cfg.rescale_schedule(4)
     run_dir = train(cfg, tmp_path / "aol")
     (aol,) = engines   # ShardedMuon's engine, built with the setting
-    assert aol.precondition == "aol" and aol.coefficients == (MUON_COEFFICIENTS,) * 4 and sum(s.calls for s in aol._slots.values()) > 0
+    assert aol.precondition == "aol" and aol.coefficients == (MUON_COEFFICIENTS,) * 4
+    assert sum(s.calls for s in aol._slots.values()) > 0
     config = json.loads((run_dir / "config.json").read_text())
     assert config["muon_ns_precondition"] == "aol" and config["muon_ns_steps"] == 4
     muon_facts = json.loads((run_dir / "env.json").read_text())["training"]["optimizer"]["muon"]
