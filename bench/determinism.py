@@ -22,9 +22,11 @@ not fit the --budget-s left is skipped, saying so):
     default / deterministic, muon-default / muon-deterministic, default-torchkernels /
     deterministic-torchkernels (kernels=torch), compile-default / compile-deterministic. At 1b, default
     (one run: its speed only) and deterministic (a pair).
- 3. the bisection, when a default pair differs: pairs of 3-step runs, started --parallel at a time, with one
-    fused op left on auto and every other op on torch ("only:<op>": does this op alone make two runs
-    differ?), then with one op on torch ("off:<op>"); syrk under Muon.
+ 3. the bisection, when a default pair differs: pairs of 3-step deterministic=true runs, started --parallel
+    at a time, each with one thing let go (bisection_probes): one part of the setting left out
+    ("except:<part>", blunb.determinism.PARTS), or the kernels' timed configs back for one fused op with
+    every other op on torch ("timed:<op>"); syrk under Muon. The summary reads them only where the full
+    setting's own pair was identical.
 
 Compared: every metrics.csv column but the timings (blunb.runs.TIMING_COLUMNS), with pandas' check_exact;
 the first differing step and column are recorded. The log (<out>.log) holds the device and versions, each
@@ -52,6 +54,7 @@ import torch
 from blunb import kernels
 from blunb.config import preset as get_preset
 from blunb.data import ensure_default_corpus
+from blunb.determinism import EXCEPT_ENV, PARTS
 from blunb.runs import TIMING_COLUMNS, environment, read_status, steady_aggregates
 
 PROBE_STEPS = 3  # the fewest the trainer takes (a decay tail): step 0 and two optimizer steps after it
@@ -67,6 +70,7 @@ class Variant:
     together: bool = False       # the runs start at once (probes: no speed is read from them)
     baseline: str | None = None  # the variant whose tok/s the ratio is against
     kind: str = "variant"        # variant | probe
+    env: dict[str, str] = field(default_factory=dict)  # the runs' extra environment (the bisection's parts)
     results: list[dict] = field(default_factory=list)
 
     @property
@@ -138,8 +142,8 @@ class Runner:
                "--run-dir", str(run_dir), "--overwrite"]
         for kv in _common_overrides(v, self.device_arg) + v.overrides:
             cmd += ["--set", kv]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "BLUNB_CACHE_DIR": str(cache)}
-        if "deterministic=true" not in v.overrides:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "BLUNB_CACHE_DIR": str(cache), **v.env}
+        if "deterministic=true" not in v.overrides or "kernels" in v.env.get(EXCEPT_ENV, ""):
             env["TRITON_PRINT_AUTOTUNING"] = "1"  # the timed choices, for the log (changes no choice)
         f = open(console, "w")
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -262,18 +266,34 @@ def step0_probes(preset_name: str, quick: bool) -> list[Variant]:
     return [Variant(n, preset_name, o, steps=PROBE_STEPS, together=True, kind="probe") for n, o in names]
 
 
+# The parts of deterministic=true the bisection leaves out one at a time, per optimizer: Muon's own additions
+# are its Newton-Schulz GEMMs (cuBLAS) and SYRK (a kernel).
+EXCEPT_PARTS = {"adamw": PARTS, "muon": ("cublas", "kernels")}
+
+
 def bisection_probes(preset_name: str, muon: bool, adamw: bool) -> list[Variant]:
-    """only:<op> (that op on auto, every other on torch) for each op whose auto choice can be Triton, then
-    off:<op> (that op alone on torch); syrk (Newton-Schulz) under Muon only."""
+    """Pairs of deterministic=true runs, each with one thing let go, so that a pair that differs names a cause
+    (the full setting's own pair is identical; every other source stays fixed):
+    except:<part>  one part of deterministic=true left at its default ($BLUNB_DETERMINISM_EXCEPT);
+    timed:<op>     the kernels' timed configs back (except=kernels) with one fused op on auto and every other on
+                   torch, whose ops stay deterministic under torch's flag; syrk (Newton-Schulz) under Muon.
+    (A pair of default runs with one op on auto and the rest on torch says nothing: torch's own ops already
+    make two such runs differ.)"""
+    det = "deterministic=true"
+    out = []
+    for opt, wanted in (("adamw", adamw), ("muon", muon)):
+        extra = ["optimizer=muon"] if opt == "muon" else []
+        out += [Variant(f"probe except:{part}" + (" (muon)" if extra else ""), preset_name, [*extra, det],
+                        steps=PROBE_STEPS, together=True, kind="probe", env={EXCEPT_ENV: part})
+                for part in EXCEPT_PARTS[opt] if wanted]
     ops = [op for op in kernels.OPS if kernels.has_auto_kernel(op)]
     plans = [(op, []) for op in ops if op != "syrk"] if adamw else []
     plans += [("syrk", ["optimizer=muon"])] if muon and "syrk" in ops else []
-    out = []
-    for mode in ("only", "off"):
-        for op, extra in plans:
-            spec = ",".join(f"{o}=torch" for o in kernels.OPS if o != op) if mode == "only" else f"{op}=torch"
-            out.append(Variant(f"probe {mode}:{op}" + (" (muon)" if extra else ""), preset_name,
-                               [*extra, f"kernels={spec}"], steps=PROBE_STEPS, together=True, kind="probe"))
+    for op, extra in plans:
+        spec = ",".join(f"{o}=torch" for o in kernels.OPS if o != op)
+        out.append(Variant(f"probe timed:{op}" + (" (muon)" if extra else ""), preset_name,
+                           [*extra, det, f"kernels={spec}"], steps=PROBE_STEPS, together=True, kind="probe",
+                           env={EXCEPT_ENV: "kernels"}))
     return out
 
 
@@ -358,11 +378,32 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
                 lines.append(f"{preset_name} {r['variant']}: differs first at step {r['first_diff_step']} in "
                              f"{r['first_diff_column']} (step-0 grad_norm "
                              f"{'identical' if r['step0_grad_norm_identical'] else 'different'})")
-        sources = [r["variant"].split(":", 1)[1] for _, r in t.iterrows()
-                   if r["variant"].startswith("probe only:") and _different(r)]
-        if sources:
-            lines.append(f"{preset_name} bisection: each of these alone (every other op on torch) makes two default "
-                         f"runs differ: {', '.join(sources)}")
+        lines += _bisection_lines(preset_name, t)
+    return lines
+
+
+def _bisection_lines(preset_name: str, t: pd.DataFrame) -> list[str]:
+    """What the bisection probes show, per optimizer: sound only where that optimizer's full deterministic=true
+    pair (probe or timed variant) was identical."""
+    lines = []
+    for opt, suffix, bases in (("adamw", "", ("probe deterministic", "deterministic")),
+                               ("muon", " (muon)", ("probe muon-deterministic", "muon-deterministic"))):
+        probes = t[t["variant"].str.startswith(("probe except:", "probe timed:"))
+                   & t["variant"].str.endswith(suffix) & (t["optimizer"] == opt) & (t["status"] == "ok")]
+        if not len(probes):
+            continue
+        base = t[t["variant"].isin(bases) & (t["status"] == "ok")]
+        if not len(base) or not base["identical"].all():
+            lines.append(f"{preset_name} bisection ({opt}): inconclusive, the full deterministic=true pair "
+                         + ("did not run" if not len(base) else "itself differed"))
+            continue
+        for kind, what in (("except", "deterministic=true without"), ("timed", "timed configs of")):
+            mine = probes[probes["variant"].str.startswith(f"probe {kind}:")]
+            names = [r["variant"].split(":", 1)[1].removesuffix(suffix) for _, r in mine.iterrows()]
+            differ = [n for n, (_, r) in zip(names, mine.iterrows()) if _different(r)]
+            if names:
+                lines.append(f"{preset_name} bisection ({opt}): {what} " + ", ".join(
+                    f"{n}: {'DIFFERS' if n in differ else 'identical'}" for n in names))
     return lines
 
 
@@ -375,7 +416,8 @@ def main() -> None:
     ap.add_argument("--steps-1b", type=int, default=12, help="steps per run at 1b")
     ap.add_argument("--variants", help="comma-separated variant names to run (default: all); probes by name too")
     ap.add_argument("--no-probes", action="store_true", help="skip the step-0 probes and the bisection")
-    ap.add_argument("--parallel", type=int, default=8, help="probe runs started at once")
+    ap.add_argument("--parallel", type=int, default=4,
+                    help="probe runs started at once (8 ran out of the H200's memory at 124m)")
     ap.add_argument("--budget-s", type=float,
                     help="stop starting variants that would not finish within this many seconds of the start "
                          "(default 420; --quick: 1800)")

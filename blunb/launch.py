@@ -85,8 +85,9 @@ def torchrun_main(argv: list[str] | None = None) -> None:
 
 def check_train_args(train_args: list[str], nproc: int, env: dict | None = None):
     """blunb.train's startup config checks, run here (the arguments, every setting at this world size,
-    BLUNB_PEAK_TFLOPS): raises ConfigError; returns the parsed arguments (None for --help). Data and
-    run-folder errors are still the ranks' to find."""
+    BLUNB_PEAK_TFLOPS, BLUNB_DETERMINISM_EXCEPT): raises ConfigError; returns the parsed arguments (None for
+    --help). Data and run-folder errors are still the ranks' to find."""
+    from blunb.determinism import Determinism
     from blunb.mfu import peak_tflops_from_env
     from blunb.train import parse_args  # lazy: pulls in torch and the model
 
@@ -100,7 +101,9 @@ def check_train_args(train_args: list[str], nproc: int, env: dict | None = None)
         msg = captured.getvalue().strip().splitlines()
         raise ConfigError(msg[-1] if msg else f"bad training arguments {train_args}") from None
     cfg.validate(world_size=nproc)
-    peak_tflops_from_env(env if env is not None else os.environ)
+    env = env if env is not None else os.environ
+    peak_tflops_from_env(env)
+    Determinism(cfg, env)  # $BLUNB_DETERMINISM_EXCEPT: its names, and deterministic=true beside it
     return args
 
 

@@ -123,14 +123,21 @@ def determinism_lines(d: dict) -> list[str]:
     if not d["deterministic"]:
         return ["determinism: off (deterministic=false): Triton configs and some backend choices are timed; two "
                 "runs can differ from step 0"]
-    parts = ["torch.use_deterministic_algorithms(True) (an op without a deterministic implementation raises)",
-             f"CUBLAS_WORKSPACE_CONFIG={d['cublas_workspace_config']}", "cuDNN deterministic, benchmark off",
-             "SDPA's deterministic backends (no cuDNN attention)", "uninitialized memory filled"
-             if d["fill_uninitialized_memory"] else "uninitialized memory not filled",
+    algorithms = d["torch_deterministic_algorithms"]
+    parts = ["torch.use_deterministic_algorithms(True) (an op without a deterministic implementation raises)"
+             if algorithms else "torch's deterministic algorithms OFF",
+             f"CUBLAS_WORKSPACE_CONFIG={d['cublas_workspace_config']}",
+             "cuDNN deterministic, benchmark off" if d["cudnn_deterministic"] and not d["cudnn_benchmark"]
+             else "cuDNN NOT deterministic",
+             *(["SDPA's deterministic backends (no cuDNN attention)", "uninitialized memory filled"
+                if d["fill_uninitialized_memory"] else "uninitialized memory not filled"] if algorithms else []),
              f"Triton configs {d['triton_configs']}", f"backend choice {d['backend_choice']}"]
     if "inductor_deterministic" in d:
         parts.append("Inductor deterministic" if d["inductor_deterministic"] else "Inductor NOT deterministic")
-    return ["determinism: deterministic=true: " + ", ".join(parts), *(f"  WARNING: {n}" for n in d["notes"])]
+    left_out = d.get("left_out")  # absent from env.json before the bisection's setting
+    head = (f"deterministic=true except {', '.join(left_out)} (BLUNB_DETERMINISM_EXCEPT: a bisection run, not "
+            "reproducible by design)" if left_out else "deterministic=true")
+    return [f"determinism: {head}: " + ", ".join(parts), *(f"  WARNING: {n}" for n in d["notes"])]
 
 
 def step_line(step, train_loss, last_val, row, rec: StepRecord, lrs, skipped_total, nan_policy) -> str:

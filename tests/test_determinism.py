@@ -18,7 +18,7 @@ import triton.language as tl
 import blunb.train as train_mod
 from blunb import kernels
 from blunb.config import ConfigError, apply_overrides, preset
-from blunb.determinism import Determinism
+from blunb.determinism import Determinism, fixed_kernel_configs
 from blunb.kernels.fused import _common
 from blunb.kernels.fused import flash_attention as fa
 from blunb.kernels.fused import syrk as fused_syrk
@@ -136,6 +136,77 @@ def test_compile_under_deterministic_sets_inductor_deterministic_and_puts_it_bac
     finally:
         knobs.restore()
     assert inductor_config.deterministic is before
+
+
+# ---------------------------------------------------------------- the bisection: one part left out
+
+def _flags():
+    return {"algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8",
+            "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (True, False),
+            "kernels": fixed_kernel_configs()}
+
+
+@pytest.mark.parametrize("part", ["algorithms", "cublas", "cudnn", "kernels"])
+def test_each_part_of_deterministic_mode_can_be_left_out_alone(part, monkeypatch):
+    """BLUNB_DETERMINISM_EXCEPT=<part>: that part stays as it was, every other is set; put back after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = _flags()
+    assert not any(before.values())
+    knobs = Determinism(_tiny("deterministic=true"), env={"BLUNB_DETERMINISM_EXCEPT": part})
+    knobs.apply()
+    try:
+        assert _flags() == {p: p != part for p in before}
+        facts = knobs.facts()
+        assert facts["left_out"] == [part]
+        assert facts["triton_configs"] == ("autotuned (timed)" if part == "kernels" else "fixed")
+        assert _common.deterministic() is (part != "kernels")   # what every fused kernel asks
+    finally:
+        knobs.restore()
+    assert {p: v for p, v in _flags().items() if p != "cublas"} == {p: False for p in before if p != "cublas"}
+    assert fixed_kernel_configs() is False  # back to following torch's flag
+
+
+def test_the_inductor_part_can_be_left_out():
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.deterministic
+    knobs = Determinism(_tiny("deterministic=true", "compile=true"), env={"BLUNB_DETERMINISM_EXCEPT": "inductor"})
+    knobs.apply()
+    try:
+        assert inductor_config.deterministic is before and torch.are_deterministic_algorithms_enabled()
+    finally:
+        knobs.restore()
+
+
+@pytest.mark.parametrize("value, overrides, match", [
+    ("kernel", ["deterministic=true"], r"BLUNB_DETERMINISM_EXCEPT names \['kernel'\]: the parts .* are algorithms, "),
+    ("kernels,bogus", ["deterministic=true"], r"names \['bogus'\]"),
+    ("kernels", [], "this run has deterministic=false"),
+])
+def test_a_bad_bisection_setting_is_refused_before_any_work(value, overrides, match, tmp_path, monkeypatch):
+    from blunb.launch import check_train_args
+
+    with pytest.raises(ConfigError, match=match):
+        Determinism(_tiny(*overrides), env={"BLUNB_DETERMINISM_EXCEPT": value})
+    monkeypatch.setenv("BLUNB_DETERMINISM_EXCEPT", value)
+    with pytest.raises(ConfigError, match=match):   # the launcher's check, before torchrun starts the ranks
+        check_train_args(["--preset", "tiny", *[a for o in overrides for a in ("--set", o)]], 2)
+    with pytest.raises(ConfigError, match=match):
+        train_mod.train(_tiny(*overrides), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    assert Determinism(_tiny("deterministic=true"), env={"BLUNB_DETERMINISM_EXCEPT": " "}).left_out == ()
+
+
+def test_a_bisection_run_records_what_it_left_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLUNB_DETERMINISM_EXCEPT", "kernels")
+    run_dir = tmp_path / "except"
+    train_mod.train(_tiny("deterministic=true"), run_dir)
+    d = json.loads((run_dir / "env.json").read_text())["training"]["determinism"]
+    assert d["left_out"] == ["kernels"] and d["torch_deterministic_algorithms"] is True
+    assert d["triton_configs"] == "autotuned (timed)"
+    assert "deterministic=true except kernels (BLUNB_DETERMINISM_EXCEPT" in (run_dir / "log.txt").read_text()
+    assert not torch.are_deterministic_algorithms_enabled() and fixed_kernel_configs() is False
 
 
 # ---------------------------------------------------------------- the kernels: fixed configs, nothing timed
@@ -264,6 +335,46 @@ def test_first_difference_names_the_step_and_column():
     assert set(TIMING_COLUMNS) >= {"dt_ms", "tok_per_sec", "opt_step_ms", "peak_mem_gib"}
 
 
+def test_the_bisection_lets_go_one_thing_per_pair_of_deterministic_runs():
+    from bench.determinism import EXCEPT_PARTS, bisection_probes
+
+    probes = {v.name: v for v in bisection_probes("124m", muon=True, adamw=True)}
+    for part in EXCEPT_PARTS["adamw"]:
+        v = probes[f"probe except:{part}"]
+        assert v.overrides == ["deterministic=true"] and v.env == {"BLUNB_DETERMINISM_EXCEPT": part}
+    assert probes["probe except:kernels (muon)"].overrides == ["optimizer=muon", "deterministic=true"]
+    swiglu = probes["probe timed:swiglu"]
+    assert swiglu.env == {"BLUNB_DETERMINISM_EXCEPT": "kernels"} and swiglu.overrides[0] == "deterministic=true"
+    forced = dict(kv.split("=") for kv in swiglu.overrides[1].removeprefix("kernels=").split(","))
+    assert "swiglu" not in forced and set(forced.values()) == {"torch"} and len(forced) == len(kernels.OPS) - 1
+    assert probes["probe timed:syrk (muon)"].overrides[0] == "optimizer=muon" and "probe timed:syrk" not in probes
+    assert all(v.steps == 3 and v.together and v.kind == "probe" for v in probes.values())
+    assert [v.name for v in bisection_probes("124m", muon=False, adamw=False)] == []
+
+
+def _row(variant, identical, optimizer="adamw", status="ok"):
+    return {"preset": "124m", "variant": variant, "optimizer": optimizer, "status": status, "identical": identical}
+
+
+def test_the_bisection_summary_names_causes_only_where_the_full_setting_repeats():
+    from bench.determinism import summary_lines
+
+    rows = [_row("probe deterministic", True), _row("probe except:algorithms", False),
+            _row("probe except:cublas", True), _row("probe timed:swiglu", False), _row("probe timed:adamw", True),
+            _row("probe muon-deterministic", False, "muon"), _row("probe except:kernels (muon)", False, "muon")]
+    table = pd.DataFrame(rows).assign(first_diff_step=0, first_diff_column="grad_norm",
+                                      step0_grad_norm_identical=False, steps=3, tok_per_sec_vs_default=float("nan"))
+    lines = summary_lines(table)
+    assert ("124m bisection (adamw): deterministic=true without algorithms: DIFFERS, cublas: identical" in lines)
+    assert "124m bisection (adamw): timed configs of swiglu: DIFFERS, adamw: identical" in lines
+    # Muon's own full pair differed: none of its probes can name a cause
+    assert "124m bisection (muon): inconclusive, the full deterministic=true pair itself differed" in lines
+    assert not any("(muon): deterministic=true without" in ln for ln in lines)
+    no_base = table[table["variant"] != "probe deterministic"]
+    inconclusive = "124m bisection (adamw): inconclusive, the full deterministic=true pair did not run"
+    assert inconclusive in summary_lines(no_base)
+
+
 @pytest.mark.slow
 def test_the_bench_runs_on_the_cpu_in_quick_mode(tmp_path):
     """--quick (tiny cut to one layer, 6 steps) with two of its variants: the deterministic pair (one run after
@@ -272,13 +383,13 @@ def test_the_bench_runs_on_the_cpu_in_quick_mode(tmp_path):
     out = tmp_path / "determinism.csv"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "bench/determinism.py", "--quick", "--out", str(out), "--work",
-                           str(tmp_path / "work"), "--variants", "deterministic,probe only:qk_norm_rope"],
+                           str(tmp_path / "work"), "--variants", "deterministic,probe timed:qk_norm_rope"],
                           capture_output=True, text=True, timeout=1500, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     table = pd.read_csv(out)
     assert {"variant", "preset", "optimizer", "identical", "first_diff_step", "first_diff_column",
             "steady_tok_per_sec", "tok_per_sec_vs_default", "status", "device", "torch"} <= set(table.columns)
-    assert list(table["variant"]) == ["deterministic", "probe only:qk_norm_rope"], table.to_string()
+    assert list(table["variant"]) == ["deterministic", "probe timed:qk_norm_rope"], table.to_string()
     assert (table["status"] == "ok").all() and table["identical"].all(), table.to_string()
     det = table.iloc[0]
     assert det["preset"] == "tiny" and det["device"] == "cpu" and det["steady_tok_per_sec"] > 0

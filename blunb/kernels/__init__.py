@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from blunb.determinism import fixed_kernel_configs
 from blunb.kernels import chunked_ce, reference
 
 if not torch.cuda.is_available():
@@ -166,11 +167,11 @@ def adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, *, lr,
 
 def describe(device) -> dict[str, str]:
     """The backend each op will use on `device` (for the run log), decided as a call decides it: torch,
-    triton, or triton-or-torch where the fused module's `prefer` decides per shape; under torch's
-    deterministic mode a Triton kernel is "triton (fixed config)" and a per-shape choice says
-    what it is then (the module's DETERMINISTIC_CHOICE)."""
+    triton, or triton-or-torch where the fused module's `prefer` decides per shape; with fixed configs
+    (deterministic=true) a Triton kernel is "triton (fixed config)" and a per-shape choice says what
+    it is then (the module's DETERMINISTIC_CHOICE)."""
     backends = parse_backends(os.environ.get("BLUNB_KERNELS", "auto"))
-    fixed = torch.are_deterministic_algorithms_enabled()
+    fixed = fixed_kernel_configs()
     out = {}
     for op in OPS:
         forced = backends[op]

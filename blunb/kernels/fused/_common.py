@@ -1,5 +1,5 @@
-"""Helpers shared by the fused kernels: config choice (timed, fixed under torch's deterministic mode, one
-under the interpreter), SM count."""
+"""Helpers shared by the fused kernels: config choice (timed, fixed under deterministic=true, one under the
+interpreter), SM count."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from collections.abc import Callable
 import torch
 import triton
 
+from blunb.determinism import fixed_kernel_configs
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def deterministic() -> bool:
-    """torch's deterministic mode (torch.use_deterministic_algorithms(True); the trainer's deterministic=true).
-    The fused kernels follow it: a fixed launch config and no timed choice while it is on."""
-    return torch.are_deterministic_algorithms_enabled()
+    """Whether the fused kernels run a fixed launch config and no timed choice: under the trainer's
+    deterministic=true (unless its bisection leaves the kernels out), else as torch's deterministic flag."""
+    return fixed_kernel_configs()
 
 
 def _quick_bench(kernel_call, quantiles):
