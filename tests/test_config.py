@@ -266,43 +266,28 @@ def test_a_config_json_from_before_compile_and_the_chunked_loss_reads_as_run_wit
     assert cfg.compile is False and cfg.model.chunked_ce is False
 
 
-def test_the_ns_schedule_defaults_to_fixed_and_a_config_json_from_before_it_reads_as_fixed(tmp_path):
-    """muon_ns_schedule: fixed unless set (the default computes what runs computed before the field), an
-    old config.json reads as fixed (config.PREDATED: what those runs ran, whatever the default becomes),
-    and an unknown name stops the trainer before any work, the run folder not created."""
+@pytest.mark.parametrize("field, default, other, steps, bad, valid", [
+    ("muon_ns_schedule", "fixed", "polar_express", 8, "polar-express", "'fixed', 'polar_express'"),
+    ("muon_ns_precondition", "none", "aol", 4, "turbo", "'none', 'aol'"),
+])
+def test_a_newton_schulz_option_defaults_to_what_runs_ran_and_reads_so_from_an_older_config_json(
+        field, default, other, steps, bad, valid, tmp_path):
+    """muon_ns_schedule (fixed) and muon_ns_precondition (none, the Frobenius-normalized start): the default
+    computes what runs computed before the field, an old config.json reads as it (config.PREDATED: what those
+    runs ran, whatever the default becomes), the other value round-trips, and an unknown name stops the
+    trainer before any work, the run folder not created."""
     from blunb.config import PREDATED, predated_defaults
     from blunb.train import train
 
-    assert preset("tiny").muon_ns_schedule == "fixed" and PREDATED["muon_ns_schedule"] == "fixed"
-    assert predated_defaults()["muon_ns_schedule"] == "fixed"
+    assert getattr(preset("tiny"), field) == default and PREDATED[field] == default
+    assert predated_defaults()[field] == default
     old = json.loads(preset("tiny").to_json())
-    del old["muon_ns_schedule"]
-    assert TrainConfig.from_dict(old).muon_ns_schedule == "fixed"
-    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_schedule=polar_express", "muon_ns_steps=8"])
+    del old[field]
+    assert getattr(TrainConfig.from_dict(old), field) == default
+    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", f"{field}={other}", f"muon_ns_steps={steps}"])
     cfg.validate()
-    assert TrainConfig.from_dict(json.loads(cfg.to_json())).muon_ns_schedule == "polar_express"
-    cfg.muon_ns_schedule = "polar-express"
-    with pytest.raises(ConfigError, match="muon_ns_schedule must be one of .*'fixed', 'polar_express'"):
-        train(cfg, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
-
-
-def test_the_ns_precondition_defaults_to_none_and_a_config_json_from_before_it_reads_as_none(tmp_path):
-    """muon_ns_precondition: none unless set (the Frobenius-normalized start every run had), an old config.json
-    reads as none (config.PREDATED), aol round-trips, and an unknown name stops the trainer before any work, the
-    run folder not created."""
-    from blunb.config import PREDATED, predated_defaults
-    from blunb.train import train
-
-    assert preset("tiny").muon_ns_precondition == "none" and PREDATED["muon_ns_precondition"] == "none"
-    assert predated_defaults()["muon_ns_precondition"] == "none"
-    old = json.loads(preset("tiny").to_json())
-    del old["muon_ns_precondition"]
-    assert TrainConfig.from_dict(old).muon_ns_precondition == "none"
-    cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_precondition=aol", "muon_ns_steps=4"])
-    cfg.validate()
-    assert TrainConfig.from_dict(json.loads(cfg.to_json())).muon_ns_precondition == "aol"
-    cfg.muon_ns_precondition = "turbo"
-    with pytest.raises(ConfigError, match="muon_ns_precondition must be one of .*'none', 'aol'.*got 'turbo'"):
+    assert getattr(TrainConfig.from_dict(json.loads(cfg.to_json())), field) == other
+    setattr(cfg, field, bad)
+    with pytest.raises(ConfigError, match=f"{field} must be one of .*{valid}.*got '{bad}'"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()

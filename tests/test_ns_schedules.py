@@ -198,16 +198,22 @@ def test_each_iteration_gets_its_own_coefficients_in_order(shape):
     assert not torch.equal(forward, backward)
 
 
-def test_a_muon_run_trains_with_polar_express_and_records_it(tmp_path, monkeypatch):
-    """A few real steps of the tiny preset through blunb.train: the optimizer's engine has the schedule's
-    coefficients, and config.json, env.json and the start-of-run line say which schedule ran."""
-    engines = []
+@pytest.fixture
+def engines(monkeypatch):
+    """Every Newton-Schulz engine ShardedMuon builds, in order."""
+    built = []
     real = muon_mod.NewtonSchulz
 
     def spy(*args, **kwargs):
-        engines.append(real(*args, **kwargs))
-        return engines[-1]
+        built.append(real(*args, **kwargs))
+        return built[-1]
     monkeypatch.setattr(muon_mod, "NewtonSchulz", spy)
+    return built
+
+
+def test_a_muon_run_trains_with_polar_express_and_records_it(tmp_path, engines):
+    """A few real steps of the tiny preset through blunb.train: the optimizer's engine has the schedule's
+    coefficients, and config.json, env.json and the start-of-run line say which schedule ran."""
     from blunb.train import train
 
     cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_schedule=polar_express"])
@@ -363,18 +369,11 @@ def test_with_aol_the_fixed_quintic_needs_one_iteration_less_on_row_spread_gradi
     assert 0.4396 - BF16 < pe4[0] < 0.5 and 1.5 < pe4[1] < 1.5604 + BF16, pe4
 
 
-def test_a_muon_run_trains_with_the_aol_start_and_records_it(tmp_path, monkeypatch):
+def test_a_muon_run_trains_with_the_aol_start_and_records_it(tmp_path, engines):
     """A few real steps of the tiny preset through blunb.train with muon_ns_precondition=aol at 4 steps: the
     optimizer steps with an AOL engine, and config.json, env.json and the start-of-run line say so."""
     from blunb.train import train
 
-    engines = []
-    real = muon_mod.NewtonSchulz
-
-    def spy(*args, **kwargs):
-        engines.append(real(*args, **kwargs))
-        return engines[-1]
-    monkeypatch.setattr(muon_mod, "NewtonSchulz", spy)
 
     cfg = apply_overrides(preset("tiny"), ["optimizer=muon", "muon_ns_precondition=aol", "muon_ns_steps=4"])
     cfg.rescale_schedule(4)
