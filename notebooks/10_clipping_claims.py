@@ -152,4 +152,12 @@ GPU_SCALE = {
               "muon-global_strict": AB_SEEDS, "adamw-none": 1, "muon-none": 1, "muon-global": 1},
     "pairing": "seed k of every arm uses data_seed k (the A/B pairs share their data)",
     "power": {f"{opt} A/B pairs for 80% power at the pilot's spread": n for opt, n in PAIRS_FOR_POWER.items()},
+    # The notebook's `-p` parameters that realize this scale (results/clipping-gpu/README.md has the command).
+    "parameters": {
+        "preset": "124m", "steps": 2000, "seeds": list(range(AB_SEEDS)), "optimizers": ["muon", "adamw"],
+        "runs_per_gpu": 2, "study": "clipping-gpu",
+        "common": ["model.linear_dtype=bf16", "data=<site-packages bpe:16384 corpus>", "model.vocab_size=16384",
+                   "global_batch=32768", "val_freq=250", "val_tokens=1048576", "warmup_steps=200",
+                   "stable_steps=1400"],
+    },
 }

@@ -209,4 +209,13 @@ GPU_SCALE = {
                  f"80% up to a paired sd of {FP8_SD_FOR_POWER:g} nats (true difference 0), and "
                  f"{FP8_POWER_HALF_MARGIN:.3f} at the pilot's spread if fp8 costs half the margin",
     "no_master_decay": "2000 steps: exact decay alone shrinks ||w|| to 0.902 (-9.8%), the last 400 steps -1.3%",
+    # The notebook's `-p` parameters that realize this scale (results/precision-gpu; validation as the clipping
+    # study's at this horizon: every 250 steps over 1,048,576 tokens, so the final val loss the TOSTs read
+    # carries little sampling noise of its own).
+    "parameters": {
+        "preset": "124m", "steps": 2000, "seeds": list(range(LOSS_SEEDS)), "fp8_seeds": list(range(FP8_SEEDS)),
+        "fp8_arms": "auto", "runs_per_gpu": 2, "study": "precision-gpu",
+        "common": ["global_batch=16384", "warmup_steps=200", "stable_steps=1400", "val_freq=250",
+                   "val_tokens=1048576", "data=<site-packages bpe:16384 corpus>", "model.vocab_size=16384"],
+    },
 }

@@ -133,3 +133,28 @@ def test_the_muon_studys_ns_option_is_the_tuned_arm_with_one_iteration_fewer():
     assert spec.gpu_scale["parameters"]["ns_option"] is True
     assert all(2 <= n <= tost.min_seeds for n in spec.gpu_scale["power"].values())
     assert spec.claim("muon.ns_polar_express4_step_cost").descriptive
+
+
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+def test_the_declared_gpu_parameters_are_the_notebooks_own(spec_path):
+    """GPU_SCALE["parameters"] (where a spec declares the `-p` values of its GPU runs) names only parameters of
+    its notebook, each of the type of the notebook's default: the declared command can run as declared."""
+    from blunb.study import checked_parameters, notebook_defaults
+
+    declared = load_spec(spec_path).gpu_scale.get("parameters")
+    if declared is None:
+        pytest.skip(f"{spec_path.name} declares no GPU parameters")
+    assert checked_parameters(notebook_defaults(_notebook_of(spec_path)), declared) == declared
+    scale = load_spec(spec_path).gpu_scale
+    if "preset" in declared:   # a training study (overlap's GPU part is timelines; its runs stay tiny)
+        assert declared["preset"] == scale["preset"] and declared["steps"] == scale["max_steps"]
+
+
+def test_the_precision_gpu_parameters_realize_its_seeds():
+    scale = load_spec(REPO / "notebooks" / "11_precision_claims.py").gpu_scale
+    params = scale["parameters"]
+    assert {len(params["seeds"]), len(params["fp8_seeds"])} == set(scale["seeds"].values())
+    assert set(params["seeds"]) <= set(params["fp8_seeds"]) and params["runs_per_gpu"] == scale["runs_per_gpu"]
+    assert f"global_batch={scale['tokens_per_step']}" in params["common"]
+    assert f"warmup_steps={scale['warmup_steps']}" in params["common"]
+    assert f"stable_steps={scale['stable_steps']}" in params["common"]
