@@ -78,7 +78,7 @@ GPU_SCALE = {
         "preset": "124m", "steps": 2000, "seeds": [0, 1, 2, 3, 4, 5], "pilot_seed": 100,
         "adamw_lrs": [7.5e-5, 1.5e-4, 3e-4, 6e-4, 1.2e-3], "muon_lrs": [4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3],
         "controlled_seeds": 3, "adamw_schedule_factor": 2, "ns_option": True, "real_batch_steps": 20,
-        "runs_per_gpu": 4,
+        "runs_per_gpu": 4, "study": "muon_vs_adamw-gpu",
         "common": ["global_batch=32768", "warmup_steps=200", "stable_steps=1400", "val_freq=50",
                    "val_tokens=163840", "data=<site-packages bpe:16384 corpus>", "model.vocab_size=16384"],
     },
