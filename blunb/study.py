@@ -547,14 +547,20 @@ def _as_planned_auto(stored: dict, planned: dict) -> dict:
     return out
 
 
+def _stored(plan: _Planned) -> tuple[dict, int | None]:
+    """The run folder's config as the plan compares it (fields it predates at their old values, the plan's
+    "auto" settings read as auto) and its world size; OSError / ValueError where there is none usable."""
+    stored = json.loads((plan.run_dir / "config.json").read_text())
+    world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
+    return _as_planned_auto(_with_new_fields(stored, predated_defaults()), plan.config), world_size
+
+
 def _cache_action(plan: _Planned, nproc: int) -> str:
     """cached | new | resume | overwrite, from what the run folder already holds."""
     try:
-        stored = json.loads((plan.run_dir / "config.json").read_text())
-        world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
+        stored, world_size = _stored(plan)
     except (OSError, ValueError):
         return "new"  # nothing usable there (passed --overwrite anyway, for any leftovers)
-    stored = _as_planned_auto(_with_new_fields(stored, predated_defaults()), plan.config)
     if stored != plan.config or world_size != nproc:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
@@ -567,9 +573,7 @@ KEEP_COMPLETED_ENV = "BLUNB_KEEP_COMPLETED"
 
 def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:
     """What differs between a run folder's config (and world size) and the plan's, as 'key: old -> new'."""
-    stored = _as_planned_auto(_with_new_fields(json.loads((plan.run_dir / "config.json").read_text()),
-                                               predated_defaults()), plan.config)
-    world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
+    stored, world_size = _stored(plan)
     flat = {}
     for side, cfg in (("old", stored), ("new", plan.config)):
         for key, value in cfg.items():
