@@ -224,14 +224,10 @@ DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 
 
 def sharded_muon(variant: Variant, **kw):
-    """A ShardedMuon factory running `variant` (its engine replaced for a precondition, as blunb.optim.build does)."""
+    """A ShardedMuon factory running `variant`'s Newton-Schulz setting."""
     def make(ps):
-        opt = ShardedMuon(ps, lr=8e-4, weight_decay=0.1, ns_steps=variant.steps, ns_coefficients=variant.schedule,
-                          verbose=False, **kw)
-        if variant.precondition != "none":
-            opt.ns = NewtonSchulz(variant.steps, variant.schedule, precondition=variant.precondition,
-                                  graphs=kw.get("ns_graphs"), syrk=kw.get("ns_syrk"))
-        return opt
+        return ShardedMuon(ps, lr=8e-4, weight_decay=0.1, ns_steps=variant.steps, ns_coefficients=variant.schedule,
+                           ns_precondition=variant.precondition, verbose=False, **kw)
     return make
 
 
