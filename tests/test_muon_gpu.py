@@ -41,14 +41,15 @@ def test_syrk_bf16_matches_cublas(shape, colmajor, tmp_path):
           f"-> {v['backend']}")
 
 
-@pytest.mark.parametrize("schedule", ["fixed", "polar_express"])
+@pytest.mark.parametrize("schedule, precondition", [("fixed", "none"), ("polar_express", "none"), ("fixed", "aol")])
 @pytest.mark.parametrize("syrk", [False, True])
 @pytest.mark.parametrize("shape", [(4, 256, 1024), (1, 512, 512), (2, 1024, 384), (2, 2816, 512)])
-def test_graph_replay_is_bitwise_eager(shape, syrk, schedule):
-    """The captured graph has each step's own coefficients baked in: its replays equal eager bit for bit."""
+def test_graph_replay_is_bitwise_eager(shape, syrk, schedule, precondition):
+    """The captured graph has each step's own coefficients (and the AOL start's scaling) baked in: its replays
+    equal eager bit for bit."""
     torch.manual_seed(0)
-    eager = NewtonSchulz(coefficients=schedule, graphs=False, syrk=syrk)
-    graphed = NewtonSchulz(coefficients=schedule, graphs=True, syrk=syrk)
+    eager = NewtonSchulz(coefficients=schedule, graphs=False, syrk=syrk, precondition=precondition)
+    graphed = NewtonSchulz(coefficients=schedule, graphs=True, syrk=syrk, precondition=precondition)
     for call in range(4):  # call 1 eager, 2 captures + replays, 3-4 replay
         G = torch.randn(*shape, device="cuda")
         a, b = eager(G).clone(), graphed(G).clone()
