@@ -11,9 +11,10 @@ a pass. Each interval is computed at its claim's `confidence` (95% two-sided; 90
 band, whose finite edge is then the 95% one-sided bound). min_seeds follows GPU_SCALE: a claim on
 the tuned arms needs their 6 seed pairs, one on the controlled arms their 3.
 
-Issue 30's Newton-Schulz option (target 5: "fewer Newton-Schulz iterations with better coefficients, as
-options measured in the Muon study; the default changes only if the study shows no loss at the declared
-margin") is an arm of this study, not a claim of the reference: NS_OPTION below.
+Issue 30's Newton-Schulz options (target 5: "fewer Newton-Schulz iterations with better coefficients (Polar
+Express) or a preconditioned start (AOL), as options measured in the Muon study; the default changes only if
+the study shows no loss at the declared margin") are arms of this study, not claims of the reference:
+NS_OPTIONS below.
 """
 
 from blunb.claims import Claim
@@ -34,8 +35,17 @@ NOISE_MARGIN_NATS = 0.019
 # orthogonalization costs loss is what muon.ns_polar_express4_equivalent measures. muon.ns_no_rejects and
 # muon.ns_ratio_near_1 read every Muon run, this arm's included (its looser band shows in nsratio: 1.12-1.18
 # at the notebook's CPU defaults, against 0.94-0.98 for the fixed quintic's runs; the band is 0.5-2).
+#
+# The second option (declared 2026-12-05, before any GPU run of this study): the tuned Muon arm with the fixed
+# quintic at 4 steps from AOL's preconditioned start (muon_ns_precondition=aol: Prach & Lampert 2022's
+# almost-orthogonal rescaling, the start of Turbo-Muon, Boissin et al., arXiv 2512.04632, whose point is to
+# drop one iteration). Measured in bf16 on the CPU (tests/test_ns_schedules.py, inputs whose rows differ in
+# scale): fixed + aol at 4 steps leaves [0.679, 1.139], fixed at 5 [0.677, 1.204], fixed at 4 alone a smallest
+# singular value of 0.303: unlike polar_express at 4, the saved iteration keeps the 5-step band there. Whether
+# it costs loss is what muon.ns_aol4_equivalent measures, at the same margin, seeds and pairing.
 NS_BASELINE = {"muon_ns_schedule": "fixed", "muon_ns_steps": 5}
-NS_OPTION = {"muon_ns_schedule": "polar_express", "muon_ns_steps": 4}
+NS_OPTIONS = {"polar_express4": {"muon_ns_schedule": "polar_express", "muon_ns_steps": 4},
+              "aol4": {"muon_ns_schedule": "fixed", "muon_ns_steps": 4, "muon_ns_precondition": "aol"}}
 NS_OPTION_SEEDS = 6
 # No pilot spread exists for this pair. Assumed: the spread of paired final-val-loss differences between two
 # Muon arms at this study's scale (124m, 2000 steps 200/1400/400, 32,768 tokens per step, the BPE-16384
@@ -43,7 +53,8 @@ NS_OPTION_SEEDS = 6
 # muon-per_group, seeds 0-4 at commit 1bd4fe2: sd 0.00066 nats). Those arms differ only in the aux AdamW
 # group's clip coefficient, less than two NS schedules may; so the pessimistic case is also stated: no
 # pairing benefit at all, the differences spreading as two unpaired Muon seeds do (sqrt(2) x 0.0028 nats, the
-# same runs' seed-to-seed sd of muon-per_group's final loss). Both need fewer pairs than NS_OPTION_SEEDS.
+# same runs' seed-to-seed sd of muon-per_group's final loss). Both need fewer pairs than NS_OPTION_SEEDS. The
+# same assumption serves both options.
 NS_PAIRED_SD = {"paired (clipping-gpu Muon A/B)": 0.0007, "unpaired (sqrt(2) x Muon seed sd)": 0.0039}
 NS_PAIRS_FOR_POWER = {what: pairs_for_tost(sd, NOISE_MARGIN_NATS) for what, sd in NS_PAIRED_SD.items()}
 
@@ -51,11 +62,11 @@ NS_PAIRS_FOR_POWER = {what: pairs_for_tost(sd, NOISE_MARGIN_NATS) for what, sd i
 # "parameters"). The lr sweep is one seed per lr at the full schedule (its best run is seed 0 of the
 # tuned arm); the tuned arms run 6 seeds, seed k of every arm sharing data_seed k; AdamW's tuned arm
 # also runs on a schedule twice as long, so that tokens-to-target is read inside AdamW's own budget
-# (a target Muon reaches late in its run may lie beyond AdamW's 1x budget); the three step-cost runs
-# (AdamW, Muon, Muon with NS_OPTION) use the preset's own 524,288-token batch, one run at a time on the GPU,
-# timing opt_step_ms. Runs: the sweep 10 (5 lrs each, seed 0), the tuned arms' other seeds 5 + 6 (Muon's
-# with the pilot), AdamW's 2x schedule 6, the controlled and original arms 3 + 3, the NS_OPTION arm 6:
-# 39 grid runs, and the 3 step-cost runs (42 in all; 35 before the NS_OPTION arm and its step-cost run).
+# (a target Muon reaches late in its run may lie beyond AdamW's 1x budget); the step-cost runs (AdamW, Muon,
+# Muon with each NS option) use the preset's own 524,288-token batch, one run at a time on the GPU, timing
+# opt_step_ms. Runs: the sweep 10 (5 lrs each, seed 0), the tuned arms' other seeds 5 + 6 (Muon's with the
+# pilot), AdamW's 2x schedule 6, the controlled and original arms 3 + 3, the two NS option arms 6 + 6: 45
+# grid runs, and the 4 step-cost runs (49 in all; 42 before the aol4 arm, 35 before the first option).
 GPU_SCALE = {
     "preset": "124m",
     "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
@@ -66,13 +77,14 @@ GPU_SCALE = {
     "sweep_seeds_per_lr": 1,
     "controlled_arm_seeds": 3,
     "adamw_schedule_factor": 2,
-    "ns_option": {"arm": "muon polar_express: the tuned Muon arm's settings and lr with NS_OPTION",
-                  "overrides": NS_OPTION, "baseline": NS_BASELINE, "seeds": NS_OPTION_SEEDS,
-                  "pairing": "seed k shares seed and data_seed k with the tuned Muon arm's seed k"},
+    "ns_options": {tag: {"arm": f"muon {tag}: the tuned Muon arm's settings and lr with NS_OPTIONS[{tag!r}]",
+                         "overrides": overrides, "baseline": NS_BASELINE, "seeds": NS_OPTION_SEEDS,
+                         "pairing": "seed k shares seed and data_seed k with the tuned Muon arm's seed k"}
+                   for tag, overrides in NS_OPTIONS.items()},
     "step_cost": {"global_batch": 524288, "steps": 20, "one_at_a_time": True, "timed": "opt_step_ms and dt_ms",
-                  "arms": ["adamw", "muon", "muon with NS_OPTION"]},
-    "runs": {"grid": 39, "step_cost": 3, "total": 42},
-    "power": {f"muon.ns_polar_express4_equivalent pairs for 80% power, {what} sd {NS_PAIRED_SD[what]}": n
+                  "arms": ["adamw", "muon", *(f"muon with {tag}" for tag in NS_OPTIONS)]},
+    "runs": {"grid": 45, "step_cost": 4, "total": 49},
+    "power": {f"muon.ns_<option>_equivalent pairs for 80% power, {what} sd {NS_PAIRED_SD[what]}": n
               for what, n in NS_PAIRS_FOR_POWER.items()},
     "parameters": {
         "preset": "124m", "steps": 2000, "seeds": [0, 1, 2, 3, 4, 5], "pilot_seed": 100,
@@ -165,26 +177,34 @@ CLAIMS = [
           statistic="final val loss, original mode minus match_rms_adamw, both at the tuned muon_lr, paired by "
                     "seed: worse by more than NOISE_MARGIN_NATS",
           test="diff_ci", band=(NOISE_MARGIN_NATS, float("inf")), min_seeds=3),
-    Claim(id="muon.ns_polar_express4_equivalent",
-          source="issue 30, target 5: fewer Newton-Schulz iterations with better coefficients, an option this "
-                 "study measures; the default changes only if it shows no loss at the declared margin",
-          figure="not the reference's: bluscript.cpp ModelConfig, Muon block, runs muon_ns_steps = 5 of one fixed "
-                 "quintic; the per-iteration coefficients are Amsel et al. 2025 (arXiv 2505.16932, Algorithm 1)",
-          statistic="final val loss, the NS_OPTION arm (polar_express, 4 steps) minus the tuned Muon arm (fixed, 5 "
-                    "steps), same lr, paired by seed; TOST at the reference's noise floor (90% t interval inside "
-                    "+-NOISE_MARGIN_NATS)",
-          test="tost", margin=NOISE_MARGIN_NATS, min_seeds=NS_OPTION_SEEDS),
-    Claim(id="muon.ns_polar_express4_step_cost",
-          source="fewer Newton-Schulz iterations cost less (issue 30's reason for the option)",
-          figure="not the reference's (issue 30); the Newton-Schulz alone is timed by bench/muon.py --schedules",
-          statistic="Muon's optimizer step with NS_OPTION / with NS_BASELINE (opt_step_ms, steps >= 2) at the "
-                    "preset's 524,288-token batch, two one-at-a-time step-cost runs (the muon one of "
-                    "muon.step_time_ratio and one more); geometric-mean ratio, Welch CI of log opt_step_ms; runs "
-                    "without opt_step_ms have no estimate",
-          test="ratio_ci", na_reason="no source states a figure: 4/5 would be the Newton-Schulz's own ratio (the same "
-                                     "GEMMs per iteration), but opt_step_ms also holds the momentum, the update, the "
-                                     "aux AdamW and the graph replay's host cost, so the whole step's ratio should "
-                                     "lie between 4/5 and 1; reported, not tested"),
+    *(claim for tag, (what, figure) in {
+        "polar_express4": ("polar_express, 4 steps", "the per-iteration coefficients are Amsel et al. 2025 (arXiv "
+                                                     "2505.16932, Algorithm 1)"),
+        "aol4": ("the fixed quintic at 4 steps from AOL's start", "the start is Prach & Lampert 2022's AOL rescaling "
+                                                                  "as Turbo-Muon uses it (arXiv 2512.04632)"),
+    }.items() for claim in (
+        Claim(id=f"muon.ns_{tag}_equivalent",
+              source="issue 30, target 5: fewer Newton-Schulz iterations (better coefficients or a preconditioned "
+                     "start), an option this study measures; the default changes only if it shows no loss at the "
+                     "declared margin",
+              figure="not the reference's: bluscript.cpp ModelConfig, Muon block, runs muon_ns_steps = 5 of one fixed "
+                     f"quintic; {figure}",
+              statistic=f"final val loss, the {tag} arm ({what}) minus the tuned Muon arm (fixed, 5 steps), same lr, "
+                        "paired by seed; TOST at the reference's noise floor (90% t interval inside "
+                        "+-NOISE_MARGIN_NATS)",
+              test="tost", margin=NOISE_MARGIN_NATS, min_seeds=NS_OPTION_SEEDS),
+        Claim(id=f"muon.ns_{tag}_step_cost",
+              source="fewer Newton-Schulz iterations cost less (issue 30's reason for the option)",
+              figure="not the reference's (issue 30); the Newton-Schulz alone is timed by bench/muon.py --schedules "
+                     "--preconditions",
+              statistic=f"Muon's optimizer step with NS_OPTIONS[{tag!r}] / with NS_BASELINE (opt_step_ms, steps >= 2) "
+                        "at the preset's 524,288-token batch, two one-at-a-time step-cost runs (the muon one of "
+                        "muon.step_time_ratio and one more); geometric-mean ratio, Welch CI of log opt_step_ms; runs "
+                        "without opt_step_ms have no estimate",
+              test="ratio_ci", na_reason="no source states a figure: 4/5 would be the Newton-Schulz's own ratio (the "
+                                         "same GEMMs per iteration), but opt_step_ms also holds the momentum, the "
+                                         "update, the aux AdamW and the graph replay's host cost, so the whole step's "
+                                         "ratio should lie between 4/5 and 1; reported, not tested"))),
     Claim(id="muon.ns_no_rejects",
           source="Newton-Schulz healthy: no rejected updates",
           figure="bluscript.cpp training loop, the nsrej / nsratio step-line comment",

@@ -116,23 +116,35 @@ def test_the_evidence_check_can_fail():
     assert not any(p.fullmatch("any.thing") for p in patterns)
 
 
-def test_the_muon_studys_ns_option_is_the_tuned_arm_with_one_iteration_fewer():
-    """Issue 30's option in notebooks/13_muon_vs_adamw_claims.py: NS_BASELINE is what the tuned Muon arm runs
-    (the config's defaults), NS_OPTION valid settings with another schedule and one iteration fewer; its TOST
-    is at the spec's noise margin over the seeds GPU_SCALE gives the arm, and the power line needs no more."""
+def test_the_muon_studys_ns_options_are_the_tuned_arm_with_one_iteration_fewer():
+    """Issue 30's options in notebooks/13_muon_vs_adamw_claims.py: NS_BASELINE is what the tuned Muon arm runs
+    (the config's defaults); each of NS_OPTIONS valid settings with one iteration fewer and another schedule
+    (polar_express4) or AOL's start (aol4); each TOST at the spec's noise margin over the seeds GPU_SCALE gives
+    the arm, the power line needing no more, its step cost descriptive; the runs counted with both arms."""
     from blunb.config import apply_overrides, preset
 
     spec = load_spec(REPO / "notebooks" / "13_muon_vs_adamw_claims.py")
     m, cfg = spec.module, preset(spec.gpu_scale["preset"])
     assert m.NS_BASELINE == {"muon_ns_schedule": cfg.muon_ns_schedule, "muon_ns_steps": cfg.muon_ns_steps}
-    option = apply_overrides(preset(spec.gpu_scale["preset"]), [f"{k}={v}" for k, v in m.NS_OPTION.items()])
-    assert (option.muon_ns_schedule, option.muon_ns_steps) == ("polar_express", cfg.muon_ns_steps - 1)
-    tost = spec.claim("muon.ns_polar_express4_equivalent")
-    assert (tost.test, tost.margin) == ("tost", m.NOISE_MARGIN_NATS)
-    assert tost.min_seeds == spec.gpu_scale["ns_option"]["seeds"] == len(spec.gpu_scale["parameters"]["seeds"])
+    assert cfg.muon_ns_precondition == "none"
+    expected = {"polar_express4": ("polar_express", "none"), "aol4": ("fixed", "aol")}
+    assert set(m.NS_OPTIONS) == set(expected) == set(spec.gpu_scale["ns_options"])
+    for tag, (schedule, start) in expected.items():
+        option = apply_overrides(preset(spec.gpu_scale["preset"]), [f"{k}={v}" for k, v in m.NS_OPTIONS[tag].items()])
+        option.validate()
+        assert (option.muon_ns_schedule, option.muon_ns_steps, option.muon_ns_precondition) == (
+            schedule, cfg.muon_ns_steps - 1, start)
+        tost = spec.claim(f"muon.ns_{tag}_equivalent")
+        assert (tost.test, tost.margin) == ("tost", m.NOISE_MARGIN_NATS)
+        seeds = spec.gpu_scale["ns_options"][tag]["seeds"]
+        assert tost.min_seeds == seeds == len(spec.gpu_scale["parameters"]["seeds"])
+        assert all(2 <= n <= tost.min_seeds for n in spec.gpu_scale["power"].values())
+        assert spec.claim(f"muon.ns_{tag}_step_cost").descriptive
     assert spec.gpu_scale["parameters"]["ns_option"] is True
-    assert all(2 <= n <= tost.min_seeds for n in spec.gpu_scale["power"].values())
-    assert spec.claim("muon.ns_polar_express4_step_cost").descriptive
+    # the sweep 10, the tuned arms' other seeds 5 + 6, AdamW's 2x schedule 6, the controlled arms 3 + 3: 33
+    runs = spec.gpu_scale["runs"]
+    assert runs["grid"] == 33 + m.NS_OPTION_SEEDS * len(m.NS_OPTIONS) and runs["step_cost"] == 2 + len(m.NS_OPTIONS)
+    assert runs["total"] == runs["grid"] + runs["step_cost"]
 
 
 @pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
