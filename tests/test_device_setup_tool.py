@@ -1,4 +1,5 @@
-"""tools/device_setup.sh: HEAD packed as a bundle here, cloned there into a clean checkout of the same sha."""
+"""tools/device_setup.sh: HEAD packed here (its commit object and file list), rebuilt there from the copied files
+into a clean checkout of the same sha."""
 
 import json
 import os
@@ -18,7 +19,7 @@ def sh(args, cwd, env=None, check=True):
     return out
 
 
-def test_pack_here_setup_there_gives_a_clean_clone_of_head(tmp_path):
+def test_pack_here_setup_there_gives_a_clean_checkout_of_head(tmp_path):
     here = tmp_path / "here"
     sh(["git", "clone", "-q", str(REPO), str(here)], tmp_path)
     head = sh(["git", "rev-parse", "HEAD"], here).stdout.strip()
@@ -36,6 +37,8 @@ def test_pack_here_setup_there_gives_a_clean_clone_of_head(tmp_path):
     there = tmp_path / "there"
     shutil.copytree(here, there, ignore=shutil.ignore_patterns(".git"))
     shutil.rmtree(there / ".device" / "wheels")
+    (there / "tools" / "device_setup.sh").chmod(0o644)   # a copy that lost an executable bit still rebuilds HEAD
+    (there / "README.md").chmod(0o755)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "meta.json").write_text(json.dumps({"sha256": "abc123"}))  # prepared before: not made again
@@ -50,9 +53,14 @@ def test_pack_here_setup_there_gives_a_clean_clone_of_head(tmp_path):
     other = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
                env={"EXTRA_DIR": str(tmp_path / "x"), "EXPECT_CORPUS_SHA256": "def456"}, check=False)
     assert other.returncode == 1 and "sha256 abc123, not the expected def456" in other.stderr
+    shutil.rmtree(src)
+    (there / "README.md").write_text("changed after pack\n")
+    changed = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")},
+                 check=False)
+    assert changed.returncode == 1 and "are not HEAD's tree" in changed.stderr
     bad = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
              env={"EXTRA_DIR": str(tmp_path / "site-packages")}, check=False)
     assert bad.returncode == 2 and "would be read as site-packages" in bad.stderr
     shutil.rmtree(there / ".device")
     missing = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, check=False)
-    assert missing.returncode == 2 and "no .device/src.bundle" in missing.stderr
+    assert missing.returncode == 2 and "no .device/head.ids" in missing.stderr

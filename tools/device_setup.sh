@@ -2,18 +2,19 @@
 # Ready a borrowed GPU machine (no package index, no git remote, time-limited commands) for blunb's runs.
 #
 #   here:   tools/device_setup.sh pack
-#       writes .device/src.bundle (a git bundle of HEAD) and .device/wheels/ (torchao, model.fp8's
-#       extra, from pip's index); refuses uncommitted changes to tracked files. Carry .device along.
+#       writes .device/ (HEAD's commit object, its tree id and file list; torchao, model.fp8's extra, from
+#       pip's index); refuses uncommitted changes to tracked files. Carry .device along.
 #   there:  tools/device_setup.sh setup [SRC_DIR] [CORPUS_DIR]
-#       clones the bundle into SRC_DIR (default /root/src), installs the wheels into $EXTRA_DIR (default
+#       rebuilds HEAD's commit from the copied files in SRC_DIR (default /root/src; a git checkout of that sha,
+#       clean, its history left out), installs the wheels into $EXTRA_DIR (default
 #       /root/blunb-extra), prepares the BPE-16384 site-packages corpus in CORPUS_DIR (default
 #       /data/sp-bpe16k) unless it is there, and prints the exports for the commands that follow.
 #       EXPECT_CORPUS_SHA256: the corpus the study's earlier runs read (their env.json); another one
 #       stops here, before any run could mix two corpora in one study.
 #
-# Why a clone and not the copied working tree: the runs' env.json then records a clean git sha that is a
-# commit of main. Why the wheels outside site-packages: the corpus is site-packages' own code, so
-# installing into it would change the corpus (and its sha256) between sessions.
+# Why a checkout and not the copied working tree: the runs' env.json then records a clean git sha that is a
+# commit of main (the copy also holds carried, ignored folders). Why the wheels outside site-packages: the
+# corpus is site-packages' own code, so installing into it would change the corpus (and its sha256).
 set -euo pipefail
 
 usage() { sed -n '2,12p' "$0" >&2; exit 2; }
@@ -31,8 +32,12 @@ pack)
     exit 1
   fi
   mkdir -p .device/wheels
-  rm -f .device/src.bundle
-  git bundle create -q .device/src.bundle HEAD
+  # HEAD's commit object and the list of its files: the GPU machine rebuilds that very commit from the copied
+  # working tree (a bundle of the whole history no longer fits the 64 MiB a command may carry)
+  git cat-file commit HEAD > .device/head.commit
+  echo "$(git rev-parse HEAD) $(git rev-parse 'HEAD^{tree}')" > .device/head.ids
+  git ls-files -z > .device/files.z
+  git ls-files -z --stage | tr '\0' '\n' | awk '$1 == "100755" { sub(/^[^\t]*\t/, ""); print }' > .device/executables
   # the abi3 build (its C++ extensions included) any CPython >= 3.10 on Linux x86_64 takes: the one the fp8 GPU tests passed with
   ls .device/wheels/torchao-*.whl > /dev/null 2>&1 ||
     "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
@@ -41,16 +46,30 @@ pack)
   ;;
 setup)
   src=${1:-/root/src} corpus=${2:-/data/sp-bpe16k} extra=${EXTRA_DIR:-/root/blunb-extra}
-  [ -f .device/src.bundle ] || { echo "no .device/src.bundle here: run 'tools/device_setup.sh pack' and carry .device" >&2; exit 2; }
-  sha=$(git bundle list-heads .device/src.bundle HEAD | cut -d' ' -f1)
-  if [ "$(git -C "$src" rev-parse HEAD 2> /dev/null || true)" != "$sha" ]; then
-    rm -rf "$src"
-    git clone -q .device/src.bundle "$src"
-    git -C "$src" checkout -q "$sha"
-  fi
+  [ -f .device/head.ids ] || { echo "no .device/head.ids here: run 'tools/device_setup.sh pack' and carry .device" >&2; exit 2; }
   case "$extra" in *site-packages*|*dist-packages*)
     echo "EXTRA_DIR $extra would be read as site-packages (the corpus): choose another folder" >&2; exit 2;;
   esac
+  read -r sha tree < .device/head.ids
+  if [ "$(git -C "$src" rev-parse HEAD 2> /dev/null || true)" != "$sha" ]; then
+    rm -rf "$src"
+    mkdir -p "$src"
+    tar cf - --null -T .device/files.z | tar xf - -C "$src"
+    # a copy may not keep the executable bits, which are part of the tree
+    here=$PWD
+    (cd "$src" && xargs -0 chmod a-x < "$here/.device/files.z" && tr '\n' '\0' < "$here/.device/executables" |
+      xargs -0 -r chmod a+x)
+    git -C "$src" init -q
+    git -C "$src" add -A
+    built=$(git -C "$src" write-tree)
+    if [ "$built" != "$tree" ]; then
+      echo "the copied files are not HEAD's tree ($built, expected $tree): a file changed after pack?" >&2
+      exit 1
+    fi
+    made=$(git -C "$src" hash-object -t commit -w --stdin < .device/head.commit)
+    [ "$made" = "$sha" ] || { echo "rebuilt commit $made is not $sha" >&2; exit 1; }
+    git -C "$src" update-ref HEAD "$sha"
+  fi
   if ls .device/wheels/*.whl > /dev/null 2>&1 && [ ! -d "$extra/torchao" ]; then
     "$PYTHON" -m pip install -q --no-deps --no-index --target "$extra" .device/wheels/*.whl
   fi
