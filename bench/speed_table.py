@@ -19,10 +19,13 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 # The calls the README shows, newest first within a preset: each one holds its own baselines.
 SOURCES = ["results/bench/speed_1b.csv", "results/bench/speed_124m_706a0fd.csv",
-           "results/bench/speed_1b_batch524k.csv"]
+           "results/bench/speed_1b_batch524k.csv", "results/bench/speed_graph_1b_8c2c5d0.csv",
+           "results/bench/speed_graph_124m_8c2c5d0.csv"]
 START, END = "<!-- speed-table: start (bench/speed_table.py writes it) -->", "<!-- speed-table: end -->"
-HEADER = ("| preset | variant | ms/step | tok/s | MFU causal | peak GiB | vs plain compile | vs plain compile + graph "
-          "| commit, date | file |\n|---|---|---|---|---|---|---|---|---|---|")
+# peak GiB: the timed steps' own peak (a captured step's graph pool is allocated before them: not in it); run peak
+# GiB: the whole blunb run's, graph pool and compile included (blunb rows only).
+HEADER = ("| preset | variant | device | ms/step | tok/s | MFU causal | peak GiB | run peak GiB | vs plain compile "
+          "| vs plain compile + graph | commit, date | file |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _number(value, fmt: str) -> str:
@@ -41,10 +44,12 @@ def render(sources: list[str], root: Path = REPO) -> str:
             table = table[table["status"] == "ok"]
         for row in table.to_dict("records"):
             when = ", ".join(str(row[k])[:n] for k, n in (("git_sha", 7), ("date", 10)) if not pd.isna(row.get(k)))
+            device = "" if pd.isna(row.get("device")) else str(row["device"]).removeprefix("NVIDIA ")
             lines.append("| " + " | ".join([
-                str(row["preset"]), str(row["variant"]), _number(row["ms_per_step"], ".1f"),
+                str(row["preset"]), str(row["variant"]), device, _number(row["ms_per_step"], ".1f"),
                 _number(row["tok_per_s"], ",.0f"), _number(row.get("mfu_causal"), ".1%"),
-                _number(row.get("peak_mem_gib"), ".2f"), _number(row.get("tok_per_s_vs_plain_compile"), ".3f"),
+                _number(row.get("peak_mem_gib"), ".2f"), _number(row.get("run_peak_mem_gib"), ".2f"),
+                _number(row.get("tok_per_s_vs_plain_compile"), ".3f"),
                 _number(row.get("tok_per_s_vs_plain_compile_graph"), ".3f"), when, f"`{Path(source).name}`"]) + " |")
     return "\n".join(lines)
 

@@ -21,13 +21,14 @@ def test_render_reads_each_ok_row_with_its_ratios(tmp_path):
     pd.DataFrame([
         {"preset": "1b", "variant": "plain_compile", "status": "ok", "ms_per_step": 180.0, "tok_per_s": 91022.2,
          "mfu_causal": 0.5, "peak_mem_gib": 34.0, "tok_per_s_vs_plain_compile": 1.0,
-         "tok_per_s_vs_plain_compile_graph": 0.857, "git_sha": "abcdef0123", "date": "2026-12-05T10:00:00Z"},
+         "tok_per_s_vs_plain_compile_graph": 0.857, "git_sha": "abcdef0123", "date": "2026-12-05T10:00:00Z",
+         "device": "NVIDIA H200", "run_peak_mem_gib": 35.5},
         {"preset": "1b", "variant": "adamw-graph", "status": "failed", "ms_per_step": None, "tok_per_s": None},
     ]).to_csv(tmp_path / "s.csv", index=False)
     lines = render(["s.csv"], root=tmp_path).splitlines()
     assert len(lines) == 3   # header, separator, the one ok row
-    assert lines[2] == ("| 1b | plain_compile | 180.0 | 91,022 | 50.0% | 34.00 | 1.000 | 0.857 | abcdef0, 2026-12-05 "
-                        "| `s.csv` |")
+    assert lines[2] == ("| 1b | plain_compile | H200 | 180.0 | 91,022 | 50.0% | 34.00 | 35.50 | 1.000 | 0.857 | "
+                        "abcdef0, 2026-12-05 | `s.csv` |")
 
 
 def test_a_csv_without_the_speed_columns_is_refused(tmp_path):
