@@ -84,8 +84,8 @@ def test_results_folder_must_be_named(tmp_path):
 
 
 def test_unpack_extracts_new_runs_and_refuses_to_replace_any(tmp_path):
-    """Back home, the collected runs go into the committed study folder; one already there (e.g. a run the GPU
-    machine re-trained) stops the whole unpack before anything is extracted."""
+    """Back home, the collected runs go into the committed study folder; one already there with other bytes (e.g.
+    a run the GPU machine re-trained) stops the whole unpack before anything is extracted."""
     remote, out, home = tmp_path / "remote" / "study", tmp_path / "out", tmp_path / "home" / "study"
     out.mkdir()
     fake_run(remote, "a-s0", "completed")
@@ -101,6 +101,10 @@ def test_unpack_extracts_new_runs_and_refuses_to_replace_any(tmp_path):
     assert "unpacked 2 run(s)" in unpack.stdout
     assert (home / "a-s0" / "metrics.csv").read_text() == "step,train_loss\n0,3.5\n"
     assert not (home / "a-s0" / "checkpoints").exists()
+    # The GPU machine packs the committed runs it was given too: back here those are the same bytes, skipped.
+    same = subprocess.run(["bash", str(TOOL), "unpack", *archives, home], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert same.returncode == 0 and "unpacked 0 run(s)" in same.stdout and "2 already there, identical" in same.stdout
 
     (home / "b-s0" / "metrics.csv").write_text("committed\n")
     (home / "a-s0").rename(home / "a-s0.kept")

@@ -9,8 +9,9 @@
 #       completed; then packs every completed run not packed before (checkpoints left out) into
 #       OUT_DIR/runs-<time>.tgz, copies the log, and prints each run's last metrics row.
 #   tools/gpu_study.sh unpack ARCHIVE... STUDY_FOLDER
-#       (back here) extracts the collected runs into STUDY_FOLDER, refusing before extracting anything
-#       when a run is already there (a re-trained run must not replace a committed one unnoticed).
+#       (back here) extracts the collected runs into STUDY_FOLDER, skipping those already there byte for
+#       byte, refusing before extracting anything when one there differs (a re-trained run must not
+#       replace a committed one unnoticed).
 #
 # Why: a command that holds the runs in its own process loses them when it is cut off, and a machine
 # handed back between two commands loses everything not yet fetched. Here each command fetches what
@@ -86,24 +87,33 @@ unpack)
   [ $# -ge 2 ] || usage
   folder=${!#}
   archives=("${@:1:$#-1}")
+  staging=$(mktemp -d)
+  trap 'rm -rf "$staging"' EXIT
   runs=()
   for archive in "${archives[@]}"; do
     [ -f "$archive" ] || { echo "no archive $archive" >&2; exit 2; }
     mapfile -t names < <(tar tzf "$archive" | cut -d/ -f1 | sort -u)
     runs+=("${names[@]}")
+    tar xzf "$archive" -C "$staging" 2> /dev/null || true   # a run in two archives is refused below
   done
-  clashes=()
-  for run in "${runs[@]}"; do [ -e "$folder/$run" ] && clashes+=("$run"); done
+  # A run already here is fine only as the same bytes: the GPU machine packs the committed runs it was given
+  # too (they were copied there). One that differs would replace committed evidence: refused.
+  new=() same=() clashes=()
+  for run in "${runs[@]}"; do
+    if [ ! -e "$folder/$run" ]; then new+=("$run")
+    elif diff -rq "$staging/$run" "$folder/$run" > /dev/null; then same+=("$run")
+    else clashes+=("$run"); fi
+  done
   repeated=$(printf '%s\n' "${runs[@]}" | sort | uniq -d | tr '\n' ' ')
   if [ ${#clashes[@]} -gt 0 ] || [ -n "$repeated" ]; then
-    [ ${#clashes[@]} -gt 0 ] && echo "already in $folder: ${clashes[*]} (remove them first to replace them)" >&2
+    [ ${#clashes[@]} -gt 0 ] && echo "already in $folder, different: ${clashes[*]} (remove them first to replace them)" >&2
     [ -n "$repeated" ] && echo "in more than one archive: $repeated" >&2
     echo "nothing extracted" >&2
     exit 1
   fi
   mkdir -p "$folder"
-  for archive in "${archives[@]}"; do tar xzf "$archive" --keep-old-files -C "$folder"; done
-  echo "unpacked ${#runs[@]} run(s) into $folder: ${runs[*]}"
+  for run in "${new[@]}"; do mv "$staging/$run" "$folder/$run"; done
+  echo "unpacked ${#new[@]} run(s) into $folder: ${new[*]:-none}; ${#same[@]} already there, identical"
   ;;
 *) usage ;;
 esac
