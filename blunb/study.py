@@ -177,33 +177,33 @@ class Study:
             return self._run_planned(plans, provenance)
 
     def _check_replacements(self, plans: list[_Planned], published: bool) -> None:
-        """Completed runs this study would retrain because their config differs: refused in the committed
-        results/ (a changed notebook parameter would silently replace the committed evidence), a warning
-        elsewhere."""
+        """Finished runs this study would retrain because their config differs, or cannot be read (a config.json
+        or env.json missing or cut short): refused in the committed results/ (a changed notebook parameter would
+        silently replace the committed evidence), a warning elsewhere."""
         replaced = [(p.name, _config_change(p, self.nproc)) for p in plans
-                    if p.action == "overwrite" and (read_status(p.run_dir) or {}).get("state") == "completed"]
+                    if p.action in ("overwrite", "new") and (read_status(p.run_dir) or {}).get("state") in FINISHED]
         if not replaced or self.render_only:
             return
         listing = "; ".join(f"{name} ({change})" for name, change in replaced)
         keep = published or os.environ.get(KEEP_COMPLETED_ENV) == "1"
         if keep and not self.replace_completed:
             where = "the committed" if published else f"{KEEP_COMPLETED_ENV}=1:"
-            raise StudyError(f"study {self.name!r} would replace {len(replaced)} completed run(s) of {where} "
+            raise StudyError(f"study {self.name!r} would replace {len(replaced)} finished run(s) of {where} "
                              f"{self.folder} whose config differs from this plan's: {listing}. Give the study "
                              "another name, delete those run folders (git keeps them), or pass replace_completed=True")
-        log.warning(f"{self.name}: retraining {len(replaced)} completed run(s) whose config changed: {listing}")
+        log.warning(f"{self.name}: retraining {len(replaced)} finished run(s) whose config changed: {listing}")
 
     def _run_planned(self, plans: list[_Planned], provenance: dict) -> pd.DataFrame:
         cached = [p.name for p in plans if p.action == "cached"]
         if cached:
-            log.info(f"{self.name}: {len(cached)} run(s) already completed with this config, skipped: "
+            log.info(f"{self.name}: {len(cached)} run(s) already finished with this config, skipped: "
                      f"{', '.join(cached)}")
         todo = [p for p in plans if p.action != "cached"]
         if todo and self.render_only:
             raise StudyError(f"study {self.name!r} is render_only, but {len(todo)} of {len(plans)} run(s) are not "
-                             f"completed with this config in {self.folder}: "
+                             f"finished with this config in {self.folder}: "
                              + ", ".join(f"{p.name} ({p.action})" for p in todo))
-        outcomes = {p.name: _Outcome("completed") for p in plans if p.action == "cached"}
+        outcomes = {p.name: _cached_outcome(p) for p in plans if p.action == "cached"}
         if any(p.config["data"] == "default" for p in todo):
             from blunb.data import ensure_default_corpus
 
@@ -555,6 +555,11 @@ def _stored(plan: _Planned) -> tuple[dict, int | None]:
     return _as_planned_auto(_with_new_fields(stored, predated_defaults()), plan.config), world_size
 
 
+# A run that ended one of these ways is not trained again with the same config: a diverged run trained to the
+# end (most steps skipped), and would diverge again; the study reports it as it ended.
+FINISHED = ("completed", "diverged")
+
+
 def _cache_action(plan: _Planned, nproc: int) -> str:
     """cached | new | resume | overwrite, from what the run folder already holds."""
     try:
@@ -564,7 +569,13 @@ def _cache_action(plan: _Planned, nproc: int) -> str:
     if stored != plan.config or world_size != nproc:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
-    return "cached" if status.get("state") == "completed" else "resume"
+    return "cached" if status.get("state") in FINISHED else "resume"
+
+
+def _cached_outcome(plan: _Planned) -> _Outcome:
+    status = read_status(plan.run_dir) or {}
+    state = status.get("state", "completed")
+    return _Outcome(state, status.get("error") if state != "completed" else None)
 
 
 # Set to 1, a study refuses to retrain completed runs whose config changed wherever its folder is (see Study).
@@ -573,7 +584,10 @@ KEEP_COMPLETED_ENV = "BLUNB_KEEP_COMPLETED"
 
 def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:
     """What differs between a run folder's config (and world size) and the plan's, as 'key: old -> new'."""
-    stored, world_size = _stored(plan)
+    try:
+        stored, world_size = _stored(plan)
+    except (OSError, ValueError) as e:
+        return f"its config cannot be read: {e}"
     flat = {}
     for side, cfg in (("old", stored), ("new", plan.config)):
         for key, value in cfg.items():

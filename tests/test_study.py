@@ -86,6 +86,8 @@ def test_cache_actions_follow_the_run_folder(tmp_path):
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
     write_status(plan.run_dir, "completed", 4, 4)
     assert study._plan()[0].action == "cached"
+    write_status(plan.run_dir, "diverged", 4, 4)  # trained to the end: it would diverge again
+    assert study._plan()[0].action == "cached"
     for state in ("running", "failed", "killed"):
         write_status(plan.run_dir, state, 2, 4)
         assert study._plan()[0].action == "resume"
@@ -110,7 +112,7 @@ def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, m
     monkeypatch.setattr(blunb.study, "check_publish", lambda folder, allow_dirty: dict(published))
     changed = Study("s", {"a": ["max_lr=2e-3"], "b": []}, seeds=[0], steps=4, root=tmp_path)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "s").rglob("*")}
-    with pytest.raises(StudyError, match=r"would replace 1 completed run\(s\) of the committed .*: "
+    with pytest.raises(StudyError, match=r"would replace 1 finished run\(s\) of the committed .*: "
                                          r"a-s0 \(max_lr: 0.001 -> 0.002\)\. .*replace_completed=True"):
         changed.run()
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "s").rglob("*")} == before  # nothing touched
@@ -118,17 +120,24 @@ def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, m
     with pytest.raises(StudyError, match=r"replace 2 .*b-s0 \(world size: 2 -> 1\)"):
         changed.run()
     write_status(tmp_path / "s" / "a-s0", "failed", 2, 4)  # an unfinished run holds no result: retrained
-    with pytest.raises(StudyError, match=r"replace 1 completed .*: b-s0 "):
+    with pytest.raises(StudyError, match=r"replace 1 finished .*: b-s0 "):
         changed.run()
     # Not committed results: retrained, with a warning saying which and why (no_launch stops the launch).
     published["published"] = False
     monkeypatch.setenv("BLUNB_KEEP_COMPLETED", "1")  # tools/gpu_study.sh: the committed runs copied to a GPU machine
-    with pytest.raises(StudyError, match=r"replace 1 completed run\(s\) of BLUNB_KEEP_COMPLETED=1: .*b-s0 "):
+    with pytest.raises(StudyError, match=r"replace 1 finished run\(s\) of BLUNB_KEEP_COMPLETED=1: .*b-s0 "):
         changed.run()
+    # A finished run whose config.json or env.json is gone or cut short (a partial copy) is not "new": refused too.
+    (tmp_path / "s" / "b-s0" / "env.json").unlink()
+    write_status(tmp_path / "s" / "b-s0", "diverged", 4, 4)
+    with pytest.raises(StudyError, match=r"replace 1 finished .*b-s0 \(its config cannot be read: .*env.json"):
+        changed.run()
+    (tmp_path / "s" / "b-s0" / "env.json").write_text(json.dumps({"world_size": 2}))
+    write_status(tmp_path / "s" / "b-s0", "completed", 4, 4)
     monkeypatch.delenv("BLUNB_KEEP_COMPLETED")
     with pytest.raises(AssertionError, match="a process was started"):
         changed.run()
-    assert any("retraining 1 completed run(s) whose config changed: b-s0 (world size: 2 -> 1)" in r.getMessage()
+    assert any("retraining 1 finished run(s) whose config changed: b-s0 (world size: 2 -> 1)" in r.getMessage()
                for r in caplog.records)
     published["published"] = True
     with pytest.raises(AssertionError, match="a process was started"):
@@ -206,6 +215,19 @@ def test_render_only_refuses_to_train_and_names_the_missing_runs(tmp_path, no_la
     study = Study("s", {"a": [], "b": ["max_lr=1e-3"]}, seeds=[0], steps=4, root=tmp_path, render_only=True)
     with pytest.raises(StudyError, match=r"render_only, but 2 of 2 run\(s\).*a-s0 \(new\), b-s0 \(new\)"):
         study.run()
+
+
+def test_a_diverged_run_is_rendered_as_it_ended_and_not_retrained(tmp_path, no_launch):
+    """A diverged run trained to the end: a rerun (or render_only) takes it as it is and reports it diverged."""
+    study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path, render_only=True, allow_failures=True)
+    (plan,) = study._plan()
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+    write_status(plan.run_dir, "diverged", 4, 4, error="3 of 4 steps skipped")
+    with pytest.warns(UserWarning, match="a-s0: 3 of 4 steps skipped"):
+        summary = study.run()
+    assert summary.set_index("run")["status"].to_dict() == {"a-s0": "diverged"}
 
 
 def test_slots_cut_gpus_into_groups_of_nproc():
