@@ -25,6 +25,7 @@ import logging
 import numbers
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from blunb.runs import (
     FolderLock,
     git_state,
     load_run,
+    process_alive,
     read_status,
     repo_root,
     results_root,
@@ -174,7 +176,25 @@ class Study:
             for p in plans:  # again, now that no one else writes here: another study may have finished runs
                 p.action = _cache_action(p, self.nproc)
             self._check_replacements(plans, provenance["published"])
+            self._check_none_running(plans)
             return self._run_planned(plans, provenance)
+
+    def _check_none_running(self, plans: list[_Planned]) -> None:
+        """A run whose processes still go (a study killed without its runs, which live in sessions of their own)
+        is not launched again: the second launch would fail on the run's lock, after emptying its console.txt."""
+        running = {}
+        for p in plans:
+            status = (read_status(p.run_dir) or {}) if p.action != "cached" else {}
+            if status.get("state") != "running":
+                continue
+            alive = [q for q in status.get("processes") or []
+                     if q.get("host") == socket.gethostname() and process_alive(q)]
+            if alive:
+                running[p.name] = ", ".join(str(q["pid"]) for q in alive)
+        if running and not self.render_only:
+            listing = "; ".join(f"{name} (pids {pids})" for name, pids in running.items())
+            raise StudyError(f"study {self.name!r}: {len(running)} run(s) are still running from an earlier launch: "
+                             f"{listing}. Wait for them to end, or stop them, then run the study again")
 
     def _check_replacements(self, plans: list[_Planned], published: bool) -> None:
         """Finished runs this study would retrain because their config differs, or cannot be read (a config.json
@@ -256,8 +276,11 @@ class Study:
                                  f", got {value!r}")
         common = _checked_overrides("common", self.common)
         self._executor = _checked_executor(self.executor)
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in self.env.items()):
+            raise ValueError(f"study {self.name!r}: env must be a dict of str -> str, got {self.env!r}")
         env = {**os.environ, **self.env}
-        plans = []
+        plans, data_checked = [], set()
         for arm, overrides in self.arms.items():
             if not isinstance(arm, str) or not _NAME.match(arm):
                 raise ValueError(f"arm name must be one folder name (letters, digits, . _ + = -), got {arm!r}")
@@ -275,6 +298,12 @@ class Study:
                 except ConfigError as err:
                     raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
                 cfg, _ = parse_args(args)
+                if cfg.data != "default" and (cfg.data, cfg.model.vocab_size) not in data_checked:
+                    try:
+                        _check_data(cfg.data, cfg.model.vocab_size)
+                    except ValueError as err:  # DataError, ConfigError
+                        raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
+                    data_checked.add((cfg.data, cfg.model.vocab_size))
                 plan = _Planned(arm, seed, name, run_dir, args, json.loads(cfg.to_json()), seed_index=seed_index)
                 plan.action = _cache_action(plan, self.nproc)
                 plans.append(plan)
@@ -558,6 +587,16 @@ def _stored(plan: _Planned) -> tuple[dict, int | None]:
 # A run that ended one of these ways is not trained again with the same config: a diverged run trained to the
 # end (most steps skipped), and would diverge again; the study reports it as it ended.
 FINISHED = ("completed", "diverged")
+
+
+def _check_data(folder: str, vocab_size: int) -> None:
+    """The data folder's shards and tokenizer as the trainer checks them at its start (the scan of the token ids
+    left to it): a typo in the last arm's data stops the study before its first run, not after the others."""
+    from blunb.data import check_model_vocab, corpus_meta, find_shards
+
+    find_shards(folder, "train")
+    find_shards(folder, "val")
+    check_model_vocab(folder, corpus_meta(folder), vocab_size)
 
 
 def _cache_action(plan: _Planned, nproc: int) -> str:

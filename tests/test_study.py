@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import traceback
@@ -13,6 +14,7 @@ import nbformat
 import pandas as pd
 import pytest
 
+import blunb.runs
 import blunb.study
 from blunb.config import ConfigError
 from blunb.runs import GPU_SHARE_ENV, gpu_shared, write_status
@@ -68,6 +70,10 @@ def no_launch(monkeypatch):
     ({"preset": "huge"}, ConfigError, "unknown preset 'huge'"),
     ({"steps": 2}, ConfigError, "--max-steps must be >= 3"),
     ({"arms": {"a": ["kv_heads=3"]}, "nproc": 2}, ConfigError, "divisible by model.kv_heads"),
+    # the data folder, as the trainer checks it at its start: the last arm's typo before the first run
+    ({"arms": {"ok": [], "typo": ["data=/no/such/corpus"]}}, ConfigError,
+     "run typo-s0: data folder not found: /no/such/corpus"),
+    ({"env": {"OMP_NUM_THREADS": 1}}, ValueError, "env must be a dict of str -> str"),
 ])
 def test_bad_grids_are_clear_errors_before_anything_launches(tmp_path, no_launch, kwargs, error, match):
     study = {"name": "s", "arms": {"a": []}, "seeds": [0], "steps": 4, "root": tmp_path, **kwargs}
@@ -214,6 +220,37 @@ def test_runs_launch_seed_by_seed_so_a_cut_off_study_leaves_whole_pairs(tmp_path
 def test_render_only_refuses_to_train_and_names_the_missing_runs(tmp_path, no_launch):
     study = Study("s", {"a": [], "b": ["max_lr=1e-3"]}, seeds=[0], steps=4, root=tmp_path, render_only=True)
     with pytest.raises(StudyError, match=r"render_only, but 2 of 2 run\(s\).*a-s0 \(new\), b-s0 \(new\)"):
+        study.run()
+
+
+@pytest.fixture
+def live_process():
+    """A process that runs until the test ends (started before no_launch stops any more)."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield live
+    live.kill()
+    live.wait()
+
+
+def test_a_run_still_going_from_an_earlier_launch_is_not_launched_again(tmp_path, live_process, no_launch):
+    """A study killed without its runs (each in a session of its own) leaves them going: the next launch stops,
+    naming them, before it touches their folders (a second trainer would fail on the lock, after its launcher
+    emptied the live run's console.txt)."""
+    study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)
+    (plan,) = study._plan()
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+    (plan.run_dir / "console.txt").write_text("step 1 of the live run\n")
+    pid = live_process.pid
+    write_status(plan.run_dir, "running", 2, 4,
+                 processes=[{"pid": pid, "host": socket.gethostname(), "start": blunb.runs._process_start(pid)}])
+    with pytest.raises(StudyError, match=rf"1 run\(s\) are still running from an earlier launch: a-s0 \(pids {pid}\)"):
+        study.run()
+    assert (plan.run_dir / "console.txt").read_text() == "step 1 of the live run\n"
+    live_process.kill()
+    live_process.wait()
+    with pytest.raises(AssertionError, match="a process was started"):  # its process gone: resumed
         study.run()
 
 
