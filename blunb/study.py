@@ -298,12 +298,14 @@ class Study:
                 except ConfigError as err:
                     raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
                 cfg, _ = parse_args(args)
-                if cfg.data != "default" and (cfg.data, cfg.model.vocab_size) not in data_checked:
+                # render_only trains nothing: a GPU study's data folder need not be on the machine rendering it
+                data = (cfg.data, cfg.model.vocab_size)
+                if not self.render_only and cfg.data != "default" and data not in data_checked:
                     try:
-                        _check_data(cfg.data, cfg.model.vocab_size)
+                        _check_data(*data)
                     except ValueError as err:  # DataError, ConfigError
                         raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
-                    data_checked.add((cfg.data, cfg.model.vocab_size))
+                    data_checked.add(data)
                 plan = _Planned(arm, seed, name, run_dir, args, json.loads(cfg.to_json()), seed_index=seed_index)
                 plan.action = _cache_action(plan, self.nproc)
                 plans.append(plan)
@@ -576,12 +578,34 @@ def _as_planned_auto(stored: dict, planned: dict) -> dict:
     return out
 
 
-def _stored(plan: _Planned) -> tuple[dict, int | None]:
+def _stored(plan: _Planned) -> tuple[dict, int | None, str | None]:
     """The run folder's config as the plan compares it (fields it predates at their old values, the plan's
-    "auto" settings read as auto) and its world size; OSError / ValueError where there is none usable."""
+    "auto" settings read as auto), its world size and how its data folder changed since it read it (None:
+    unchanged or not comparable); OSError / ValueError where there is none usable."""
     stored = json.loads((plan.run_dir / "config.json").read_text())
-    world_size = json.loads((plan.run_dir / "env.json").read_text()).get("world_size")
-    return _as_planned_auto(_with_new_fields(stored, predated_defaults()), plan.config), world_size
+    env = json.loads((plan.run_dir / "env.json").read_text())
+    config = _as_planned_auto(_with_new_fields(stored, predated_defaults()), plan.config)
+    return config, env.get("world_size"), _data_change(plan.config["data"], env.get("shards"))
+
+
+def _data_change(folder: str, recorded: list[dict] | None) -> str | None:
+    """Which shards of the data folder differ from those the run read (env.json's name, size and sha256 of each),
+    or None. Not compared: the default corpus (it records none), runs before the record, and a folder not on this
+    machine (a GPU study rendered at home)."""
+    if folder == "default" or not recorded or not Path(folder).is_dir():
+        return None
+    from blunb.data import find_shards, shard_manifest
+
+    try:
+        now = {d["name"]: d for d in shard_manifest(find_shards(folder, "train") + find_shards(folder, "val"))}
+    except (OSError, ValueError):
+        return "its shards cannot be read"
+    then = {d.get("name"): d for d in recorded}
+    changed = sorted(name for name in now.keys() | then.keys() if now.get(name) != then.get(name))
+    if not changed:
+        return None
+    return f"data {folder}: {len(changed)} shard(s) differ from those the run read ({', '.join(changed[:3])}" + \
+        (", ...)" if len(changed) > 3 else ")")
 
 
 # A run that ended one of these ways is not trained again with the same config: a diverged run trained to the
@@ -602,10 +626,10 @@ def _check_data(folder: str, vocab_size: int) -> None:
 def _cache_action(plan: _Planned, nproc: int) -> str:
     """cached | new | resume | overwrite, from what the run folder already holds."""
     try:
-        stored, world_size = _stored(plan)
+        stored, world_size, data_change = _stored(plan)
     except (OSError, ValueError):
         return "new"  # nothing usable there (passed --overwrite anyway, for any leftovers)
-    if stored != plan.config or world_size != nproc:
+    if stored != plan.config or world_size != nproc or data_change:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
     return "cached" if status.get("state") in FINISHED else "resume"
@@ -624,7 +648,7 @@ KEEP_COMPLETED_ENV = "BLUNB_KEEP_COMPLETED"
 def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:
     """What differs between a run folder's config (and world size) and the plan's, as 'key: old -> new'."""
     try:
-        stored, world_size = _stored(plan)
+        stored, world_size, data_change = _stored(plan)
     except (OSError, ValueError) as e:
         return f"its config cannot be read: {e}"
     flat = {}
@@ -636,6 +660,8 @@ def _config_change(plan: _Planned, nproc: int, limit: int = 4) -> str:
                if v.get("old") != v.get("new")]
     if world_size != nproc:
         changes.append(f"world size: {world_size} -> {nproc}")
+    if data_change:
+        changes.append(data_change)
     return ", ".join(changes[:limit]) + (f", and {len(changes) - limit} more" if len(changes) > limit else "")
 
 

@@ -104,6 +104,37 @@ def test_cache_actions_follow_the_run_folder(tmp_path):
 
 
 
+def test_a_run_is_cached_only_on_the_data_it_read(tmp_path, monkeypatch, no_launch):
+    """The data folder is named by its path in the config; its shards' bytes are what the run read (env.json): a
+    shard rewritten in place (same name and size) makes the run stale, refused where completed runs are kept. A
+    study rendered where its data folder is not (a GPU study at home) takes its runs as they are."""
+    import numpy as np
+
+    from blunb.data import find_shards, shard_manifest, write_shard
+
+    data = tmp_path / "corpus"
+    data.mkdir()
+    for name in ("train_000000.bin", "train_000001.bin", "val_000000.bin"):
+        write_shard(data / name, np.arange(4096) % 250)
+    study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path, common=[f"data={data}"])
+    (plan,) = study._plan()
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
+    shards = shard_manifest(find_shards(data, "train") + find_shards(data, "val"))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1, "shards": shards}))
+    write_status(plan.run_dir, "completed", 4, 4)
+    assert study._plan()[0].action == "cached"
+    write_shard(data / "train_000001.bin", (np.arange(4096) % 250)[::-1])  # same name and size, other tokens
+    assert study._plan()[0].action == "overwrite"
+    monkeypatch.setenv("BLUNB_KEEP_COMPLETED", "1")
+    with pytest.raises(StudyError, match=r"a-s0 \(data .*corpus: 1 shard\(s\) differ from those the run read "
+                                         r"\(train_000001.bin\)\)"):
+        study.run()
+    shutil.rmtree(data)
+    rendered = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path, common=[f"data={data}"], render_only=True)
+    assert rendered.run().set_index("run")["status"].to_dict() == {"a-s0": "completed"}
+
+
 def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, monkeypatch, no_launch, caplog):
     """A changed notebook parameter (here max_lr, and the world size) would retrain a completed run in place:
     in the committed results/ that is refused before any work, naming the run and what changed; elsewhere
