@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 FORMAT = "blunb-dcp-2"   # 2: a sha256 per file and the payload's own step
 META_FILE = "checkpoint.json"
 INVALID_DIR = ".invalid"  # under checkpoints/: where find_resume moves a corrupt checkpoint
+# under checkpoints/: where a run resumed from an older checkpoint moves the later ones (the timeline it left)
+ABANDONED_DIR = ".abandoned"
 DELAY_ENV = "BLUNB_TEST_CKPT_DELAY_S"   # test hook: seconds rank 0 waits between writing and committing
 # Test hook, "STEP:RANK": that rank's save of that step fails as on a full disk, half-way through
 # writing each of its data files.
@@ -389,21 +391,37 @@ def _remove(path: Path, why: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _quarantine(path: Path, why: str) -> None:
-    """Move a corrupt checkpoint to checkpoints/.invalid/ (kept for inspection, out of every search)."""
-    invalid = path.parent / INVALID_DIR
-    target = invalid / path.name
+def move_into(path: Path, folder: Path) -> Path:
+    """Move `path` into `folder` (created), under a name not taken there yet; the new path (OSError on failure)."""
+    target = folder / path.name
     n = 0
     while target.exists():
         n += 1
-        target = invalid / f"{path.name}.{n}"
+        target = folder / f"{path.name}.{n}"
+    folder.mkdir(exist_ok=True)
+    os.replace(path, target)
+    return target
+
+
+def _quarantine(path: Path, why: str) -> None:
+    """Move a corrupt checkpoint to checkpoints/.invalid/ (kept for inspection, out of every search)."""
     try:
-        invalid.mkdir(exist_ok=True)
-        os.replace(path, target)
+        target = move_into(path, path.parent / INVALID_DIR)
     except OSError as err:
-        log.warning("could not move %s to %s (%s); it stays where it is", path, invalid, err)
+        log.warning("could not move %s to %s (%s); it stays where it is", path, path.parent / INVALID_DIR, err)
         return
     log.warning("moved %s to %s (%s); delete it once inspected", path, target, why)
+
+
+def set_aside_later(run_dir, step: int, resumed_from) -> list[Path]:
+    """A run resumed at `step` has left the timeline of the run folder's later checkpoints (and of a step_<step>
+    other than the one it resumed from): they move to checkpoints/.abandoned/, out of `--resume auto`'s search
+    (which would otherwise go back to them if this run stops before its next save), kept. Their new paths."""
+    moved = []
+    for n, path in _step_dirs(_checkpoint_root(run_dir)):
+        if n > step or (n == step and path.resolve() != Path(resumed_from).resolve()):
+            moved.append(move_into(path, path.parent / ABANDONED_DIR))
+    return moved
 
 
 def validate(path, checksums: bool = True) -> dict:
@@ -438,6 +456,13 @@ def validate(path, checksums: bool = True) -> dict:
         if actual != size:
             raise CheckpointError(f"checkpoint {path}: file {name} has {actual} bytes, {META_FILE} records {size}: "
                                   "truncated or corrupt")
+    # Every file of the save is listed (_commit lists the folder): one it does not list means an edited list, and
+    # an unlisted data file would be read by DCP unchecked.
+    unlisted = sorted(f.name for f in path.iterdir() if f.is_file() and f.name != META_FILE
+                      and f.name not in meta["files"])
+    if unlisted:
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} does not list {', '.join(unlisted)} (its list was "
+                              "edited, or files were added after the save)")
     unsummed = sorted(set(meta["files"]) - set(meta["sha256"]))
     if unsummed:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} records no sha256 for {', '.join(unsummed)}")

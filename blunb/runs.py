@@ -54,15 +54,16 @@ def git_state(root: str | Path, max_files: int = 20) -> tuple[str, bool | None, 
 
     Changed tracked files outside results/ count as dirty (`make study` rewrites the committed
     results/.../run.ipynb before training starts, which would otherwise mark every run dirty), and
-    so do untracked (not ignored) .py files under UNTRACKED_SOURCES: a new module is code that ran
-    but that no commit holds. Outside a git checkout (or without git): ("unknown", None, []).
+    so do untracked (not ignored) .py files under UNTRACKED_SOURCES and notebooks under notebooks/: a
+    new module or study notebook is code that ran but that no commit holds. Outside a git checkout (or
+    without git): ("unknown", None, []).
     """
     try:
         top = _git(["rev-parse", "--show-toplevel"], root).strip()
         sha = _git(["rev-parse", "HEAD"], top).strip()
         out = _git(["status", "--porcelain=v1", "-z", "--untracked-files=no", "--", ".", ":(exclude)results"], top)
         new = _git(["ls-files", "-z", "--others", "--exclude-standard", "--",
-                    *(f":(glob){d}/**/*.py" for d in UNTRACKED_SOURCES)], top)
+                    *(f":(glob){d}/**/*.py" for d in UNTRACKED_SOURCES), ":(glob)notebooks/**/*.ipynb"], top)
     except (OSError, subprocess.SubprocessError):
         return "unknown", None, []
     files, entries = [], iter(out.split("\0"))
@@ -501,8 +502,9 @@ def describe_holder(holder: dict) -> str:
 
 def set_aside_rows_from(path: Path, step: int) -> Path | None:
     """A resume at `step`: move the rows of steps >= step in the CSV at `path` (metrics.csv,
-    diag.csv: a `step` column) to `<stem>.discarded_from_step_<step>.csv` beside it, keeping the
-    earlier rows in place, so the continued file has one row per step. Returns the aside file."""
+    diag.csv: a `step` column) to `<stem>.discarded_from_step_<step>.csv` beside it (.<n>.csv when that
+    exists), keeping the earlier rows in place, so the continued file has one row per step. Returns the
+    aside file."""
     if not path.is_file():
         return None
     with open(path, newline="") as f:
@@ -511,7 +513,10 @@ def set_aside_rows_from(path: Path, step: int) -> Path | None:
     is_later = [bool(r.get("step")) and int(r["step"]) >= step for r in rows]
     if not any(is_later):
         return None
-    aside = path.with_name(f"{path.stem}.discarded_from_step_{step}.csv")
+    aside, n = path.with_name(f"{path.stem}.discarded_from_step_{step}.csv"), 0
+    while aside.exists():  # a second resume at the same step: the first one's rows stay
+        n += 1
+        aside = path.with_name(f"{path.stem}.discarded_from_step_{step}.{n}.csv")
     later = [r for r, x in zip(rows, is_later) if x]
     earlier = [r for r, x in zip(rows, is_later) if not x]
     for target, keep in ((aside, later), (path, earlier)):
@@ -540,12 +545,18 @@ class MetricsWriter:
                     kept = None
                 else:
                     kept = [{k: r.get(k, "") for k in self.columns} for r in reader]
-        self._f = open(path, "a" if kept is None else "w", newline="")
+        try:
+            if kept is not None:  # a new file, or a resumed one with other columns: written whole, then renamed
+                tmp = path.with_name(f".{path.name}.tmp")
+                with open(tmp, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=self.columns)
+                    w.writeheader()
+                    w.writerows(kept)
+                os.replace(tmp, path)
+            self._f = open(path, "a", newline="")
+        except OSError as err:
+            raise write_failed(path, err) from err
         self._w = csv.DictWriter(self._f, fieldnames=self.columns)
-        if kept is not None:
-            self._w.writeheader()
-            self._w.writerows(kept)
-        self._f.flush()
 
     def write(self, row: dict) -> None:
         """One row, flushed; an OSError (a full disk) is raised as RunWriteError naming the file."""

@@ -109,6 +109,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, overwrite: bool = False, resume
     current as steps finish), completed, diverged (more than diverged_skip_frac of the steps skipped),
     failed (with the error) or killed (with the signal).
     """
+    if resume is not None and not str(resume).strip():
+        raise ConfigError("resume needs 'auto' or a checkpoint folder, got an empty string")
     run_dir = Path(run_dir)
     rank, world_size, local_rank = _dist_env()
     device = _preflight(cfg, run_dir, overwrite or resume is not None, world_size, local_rank)
@@ -281,7 +283,8 @@ def setup(cfg: TrainConfig, run_dir: Path, rank: int, world_size: int, device: t
     auto_settings = {**(auto_settings or {}), **cfg.resolve_auto(device.type)}
     memory_line = _rank0_decides(lambda: memory.check(cfg, world_size, device), rank, world_size)
     data_dir, train_shards, val_shards = _resolve_data(cfg, rank, world_size)
-    resume_from = _rank0_decides(lambda: _find_checkpoint(run_dir, resume), rank, world_size) if resume else None
+    resume_from = (_rank0_decides(lambda: _find_checkpoint(run_dir, resume, cfg.max_steps), rank, world_size)
+                   if resume else None)
     meta = corpus_meta(data_dir)
     init_seed = cfg.resolved_init_seed()
     torch.manual_seed(init_seed)
@@ -372,9 +375,14 @@ def _claim_run_dir(run: _Run, env: dict, saved: dict | None, run_log: RunLog) ->
     else:
         run_dir.mkdir(parents=True, exist_ok=True)  # a checkpoint from elsewhere may start a new folder
         aside = [set_aside_rows_from(run_dir / name, run.start_step) for name in ("metrics.csv", "diag.csv")]
+        left = checkpoint.set_aside_later(run_dir, run.start_step, run.resumed_from)
+        if left:
+            log.warning(f"resumed at step {run.start_step}: this folder's later checkpoints (a timeline this run "
+                        f"leaves) moved to {left[0].parent}: {', '.join(p.name for p in left)}")
         env["resumed"] = {"from": str(run.resumed_from), "step": run.start_step,
                           "saved_world_size": saved["world_size"],
-                          "rows_set_aside": [str(p) for p in aside if p is not None]}
+                          "rows_set_aside": [str(p) for p in aside if p is not None],
+                          "checkpoints_set_aside": [str(p) for p in left]}
         earlier = run_dir / "env.json"
         if earlier.is_file():
             env["resumed"]["earlier_env"] = json.loads(earlier.read_text())
@@ -549,7 +557,7 @@ def finish_step(run: _Run, p: _PendingStep) -> None:
     if run.metrics is not None:
         run.metrics.write(row)
         if run.previous is not None:
-            shutil.rmtree(run.previous, ignore_errors=True)
+            _drop_previous(run.previous)
             run.previous = None
     line = step_line(p.step, train_loss, p.last_val, row, rec, p.lrs, run.skipped_total, run.cfg.nan_policy)
     log.info(line + (f" | resumed at {p.step}" if run.resumed_from is not None and p.step == run.start_step else ""))
@@ -695,18 +703,37 @@ def check_run_dir(run_dir: Path, overwrite: bool) -> None:
 
 def _start_run_dir(run_dir: Path) -> Path | None:
     """Create the run folder; an earlier run's files move to <run_dir>/.previous/ (removed once
-    this run has written its first step), so the folder never mixes two runs and a rerun that
-    fails early loses nothing."""
+    this run has written its first step: _drop_previous), so the folder never mixes two runs and a
+    rerun that fails early loses nothing. A .previous/ already there is the run an earlier rerun
+    replaced and stopped before its first step: it stays, and that rerun's own files (no step) go."""
     run_dir.mkdir(parents=True, exist_ok=True)
     old = [run_dir / name for name in (*_RUN_FILES, "checkpoints") if (run_dir / name).exists()]
+    previous = run_dir / ".previous"
+    if previous.is_dir():
+        for path in old:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return previous
     if not old:
         return None
-    previous = run_dir / ".previous"
-    shutil.rmtree(previous, ignore_errors=True)
     previous.mkdir()
     for path in old:
         os.replace(path, previous / path.name)
     return previous
+
+
+def _drop_previous(previous: Path) -> None:
+    """The replaced run's files, once this run has written a step: removed, but for its quarantined checkpoints
+    (kept for inspection, as find_resume says), which move under this run's checkpoints/.invalid/."""
+    invalid = previous / "checkpoints" / checkpoint.INVALID_DIR
+    if invalid.is_dir():
+        kept = previous.parent / "checkpoints" / checkpoint.INVALID_DIR
+        kept.parent.mkdir(exist_ok=True)
+        for path in sorted(invalid.iterdir()):
+            checkpoint.move_into(path, kept)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def _rank0_decides(fn, rank: int, world_size: int):
@@ -762,16 +789,24 @@ def _model_config(cfg: TrainConfig):
     return cfg.model
 
 
-def _find_checkpoint(run_dir: Path, resume: str) -> Path | None:
+def _find_checkpoint(run_dir: Path, resume: str, max_steps: int) -> Path | None:
     """--resume auto: the newest valid checkpoint in the run folder, or None (a fresh start);
-    --resume PATH: that checkpoint, which must be valid (CheckpointError otherwise)."""
+    --resume PATH: that checkpoint, which must be valid (CheckpointError otherwise). One at or past
+    max_steps (a shorter schedule than the one it was saved in) is a ConfigError: no step would run."""
     if resume == "auto":
         found = checkpoint.find_resume(run_dir)
         if found is None:
             log.info(f"--resume auto: no valid checkpoint in {run_dir / 'checkpoints'}; starting fresh")
-        return found
-    checkpoint.validate(resume)
-    return Path(resume)
+            return None
+    else:
+        checkpoint.validate(resume)
+        found = Path(resume)
+    step = json.loads((found / checkpoint.META_FILE).read_text())["step"]
+    if step >= max_steps:
+        raise ConfigError(f"checkpoint {found} continues at step {step}, but --max-steps is {max_steps}: no step would "
+                          f"run (and the rows from step {max_steps} on would be set aside); resume with --max-steps "
+                          f"> {step}, or start a new run")
+    return found
 
 
 @torch.no_grad()
@@ -936,6 +971,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
                     help="auto: continue from the newest valid checkpoint in --run-dir (a fresh start when there "
                          "is none); PATH: continue from that checkpoint folder")
     args = ap.parse_args(argv)
+    if args.resume is not None and not args.resume.strip():
+        # "" must not read as "no resume" after it has let the run folder be replaced (a script's empty $CKPT)
+        ap.error("--resume needs 'auto' or a checkpoint folder, got an empty string")
     cfg = preset(args.preset)
     if args.help_settings:
         print(settings_help(cfg))

@@ -382,6 +382,18 @@ def test_an_edited_step_is_refused(run, caplog):
     assert "says step 5" in caplog.text
 
 
+def test_a_data_file_left_out_of_the_record_is_refused(run):
+    """checkpoint.json lists every file of the save: a list trimmed to .metadata would leave a corrupt data file
+    unchecked (DCP reads it all the same)."""
+    newest = run / "checkpoints" / "step_6"
+    record = json.loads((newest / ckpt.META_FILE).read_text())
+    _edit_record(newest, files={".metadata": record["files"][".metadata"]},
+                 sha256={".metadata": record["sha256"][".metadata"]})
+    data_files = sorted(n for n in record["files"] if n != ".metadata")
+    with pytest.raises(CheckpointError, match=rf"does not list {', '.join(data_files)} \(its list was edited"):
+        ckpt.validate(newest)
+
+
 # ---------------------------------------------------------------- the cost of verification
 
 def test_checkpoint_io_bench_runs_on_the_cpu(tmp_path):

@@ -123,3 +123,43 @@ def test_resume_at_another_world_size_and_bad_checkpoints(tmp_path):
     m = pd.read_csv(tmp_path / "w2" / "metrics.csv")
     assert list(m["step"]) == list(range(STEPS))
     assert (tmp_path / "w2" / "metrics.discarded_from_step_8.csv").is_file()
+
+
+def test_resuming_from_an_older_checkpoint_leaves_the_later_timeline_aside(tmp_path):
+    """--resume PATH to an older checkpoint: the folder's later checkpoints move to checkpoints/.abandoned/ at the
+    start, so a later --resume auto cannot go back to them; a second resume at the same step keeps the first
+    one's set-aside rows; a checkpoint past --max-steps, an empty --resume and a fresh start after only corrupt
+    checkpoints lose nothing (the quarantined ones are kept)."""
+    common = ["optimizer=adamw", "B=4", "global_batch=3072", "ckpt_keep=10"]
+    run = tmp_path / "r"
+    ckpts = run / "checkpoints"
+    _run(1, run, common)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_12", "step_4", "step_8"]
+    full = _comparable(pd.read_csv(run / "metrics.csv"))
+
+    proc = _run(1, run, common, "--resume", str(ckpts / "step_4"))
+    assert "later checkpoints (a timeline this run leaves) moved to" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in (ckpts / ".abandoned").iterdir()) == ["step_12", "step_8"]
+    assert json.loads((run / "env.json").read_text())["resumed"]["checkpoints_set_aside"] == [
+        str(ckpts / ".abandoned" / "step_12"), str(ckpts / ".abandoned" / "step_8")]
+    pd.testing.assert_frame_equal(_comparable(pd.read_csv(run / "metrics.csv")), full, check_exact=True)
+    first_aside = (run / "metrics.discarded_from_step_4.csv").read_text()
+    _run(1, run, common, "--resume", str(ckpts / "step_4"))
+    assert sorted(p.name for p in (ckpts / ".abandoned").iterdir()) == ["step_12", "step_12.1", "step_8", "step_8.1"]
+    assert (run / "metrics.discarded_from_step_4.csv").read_text() == first_aside
+    assert (run / "metrics.discarded_from_step_4.1.csv").is_file()
+
+    before = (run / "metrics.csv").read_bytes()
+    short = _run(1, run, [*common], "--resume", "auto", "--max-steps", "10", check=False)
+    assert short.returncode != 0 and "continues at step 12, but --max-steps is 10" in short.stderr
+    empty = _run(1, run, common, "--resume", "", check=False)
+    assert empty.returncode != 0 and "--resume needs 'auto' or a checkpoint folder" in empty.stderr
+    assert (run / "metrics.csv").read_bytes() == before
+
+    for step_dir in [p for p in ckpts.iterdir() if p.name.startswith("step_")]:
+        victim = next(p for p in step_dir.iterdir() if p.suffix == ".distcp")
+        victim.write_bytes(victim.read_bytes()[:10])
+    _run(1, run, common, "--resume", "auto")   # nothing valid left: a fresh start
+    assert sorted(p.name for p in (ckpts / ".invalid").iterdir()) == ["step_12", "step_4", "step_8"]
+    assert not (run / ".previous").exists()
+    pd.testing.assert_frame_equal(_comparable(pd.read_csv(run / "metrics.csv")), full, check_exact=True)

@@ -102,6 +102,12 @@ def test_git_state_ignores_changes_under_results(tmp_path, monkeypatch):
     (tmp_path / "untracked.py").write_text("")
     nb.write_text('{"papermill": 1}')
     assert git_state(tmp_path) == (head, False, [])
+    # code no commit holds: an untracked module or study notebook (not an untracked file elsewhere)
+    for new in ("blunb/new_module.py", "notebooks/14_new_study.ipynb"):
+        (tmp_path / new).parent.mkdir(exist_ok=True)
+        (tmp_path / new).write_text("{}")
+        assert git_state(tmp_path) == (head, True, [new])
+        (tmp_path / new).unlink()
     (tmp_path / "train.py").write_text("a = 2\n")
     assert git_state(tmp_path / "results") == (head, True, ["train.py"])  # any folder of the checkout
     _git(tmp_path, "mv", "train.py", "main.py")  # a rename is one entry (two paths under -z)

@@ -314,6 +314,13 @@ def test_an_earlier_run_waits_aside_until_the_new_one_starts(tmp_path):
     previous = _start_run_dir(run_dir)
     assert sorted(p.name for p in previous.iterdir()) == ["config.json", "log.txt", "metrics.csv"]
     assert sorted(p.name for p in run_dir.iterdir()) == [".previous", "run.ipynb"]  # papermill's output stays
+    # A rerun that stopped before its first step left its own files beside .previous/: the next one keeps the
+    # run it replaced (in .previous/) and drops the failed attempt's.
+    for name in ("config.json", "status.json"):
+        (run_dir / name).write_text("failed attempt")
+    assert _start_run_dir(run_dir) == previous
+    assert (previous / "config.json").read_text() == "config.json"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".previous", "run.ipynb"]
 
 
 def test_a_killed_run_says_so(tmp_path):
