@@ -573,6 +573,14 @@ def check_model_vocab(folder: str | Path, meta: dict, vocab_size: int) -> None:
                           f"smallest multiple of 64 >= {n_ids})")
 
 
+def checked_shards(folder: str | Path, vocab_size: int) -> tuple[list[Path], list[Path]]:
+    """A data folder's train and val shards, its tokenizer checked against the model's vocab_size (DataError /
+    ConfigError naming the problem); the scan of the token ids is the caller's (check_token_ids)."""
+    train, val = find_shards(folder, "train"), find_shards(folder, "val")
+    check_model_vocab(folder, corpus_meta(folder), vocab_size)
+    return train, val
+
+
 def corpus_tokenizer(folder: str | Path):
     """The tokenizer a prepared corpus was made with (encode / decode its shards)."""
     try:

@@ -254,6 +254,7 @@ class Study:
 
     def _plan(self) -> list[_Planned]:
         """Every run of the grid, checked, with what to do with it; raises before anything runs."""
+        from blunb.data import checked_shards  # lazy, as parse_args: pulls in torch
         from blunb.train import parse_args  # lazy: pulls in torch
 
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -298,11 +299,13 @@ class Study:
                 except ConfigError as err:
                     raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
                 cfg, _ = parse_args(args)
-                # render_only trains nothing: a GPU study's data folder need not be on the machine rendering it
+                # The data folder as the trainer checks it at its start: a typo in the last arm's data stops the
+                # study before its first run. render_only trains nothing: a GPU study's data folder need not be
+                # on the machine rendering it.
                 data = (cfg.data, cfg.model.vocab_size)
                 if not self.render_only and cfg.data != "default" and data not in data_checked:
                     try:
-                        _check_data(*data)
+                        checked_shards(*data)
                     except ValueError as err:  # DataError, ConfigError
                         raise ConfigError(f"study {self.name!r}, run {name}: {err}") from None
                     data_checked.add(data)
@@ -611,16 +614,6 @@ def _data_change(folder: str, recorded: list[dict] | None) -> str | None:
 # A run that ended one of these ways is not trained again with the same config: a diverged run trained to the
 # end (most steps skipped), and would diverge again; the study reports it as it ended.
 FINISHED = ("completed", "diverged")
-
-
-def _check_data(folder: str, vocab_size: int) -> None:
-    """The data folder's shards and tokenizer as the trainer checks them at its start (the scan of the token ids
-    left to it): a typo in the last arm's data stops the study before its first run, not after the others."""
-    from blunb.data import check_model_vocab, corpus_meta, find_shards
-
-    find_shards(folder, "train")
-    find_shards(folder, "val")
-    check_model_vocab(folder, corpus_meta(folder), vocab_size)
 
 
 def _cache_action(plan: _Planned, nproc: int) -> str:

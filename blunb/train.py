@@ -45,8 +45,8 @@ from blunb.data import (
     ValidationSet,
     WindowLoader,
     build_train_loader,
-    check_model_vocab,
     check_token_ids,
+    checked_shards,
     corpus_meta,
     ensure_default_corpus,
     find_shards,
@@ -761,8 +761,7 @@ def _resolve_data(cfg: TrainConfig, rank: int, world_size: int) -> tuple[Path, l
     """The data folder and its train / val shards, checked (ids < vocab_size) before step 0."""
     def prepare_and_check():
         folder = ensure_default_corpus(progress=True) if cfg.data == "default" else Path(cfg.data)
-        train_shards, val_shards = find_shards(folder, "train"), find_shards(folder, "val")
-        check_model_vocab(folder, corpus_meta(folder), cfg.model.vocab_size)
+        train_shards, val_shards = checked_shards(folder, cfg.model.vocab_size)
         check_token_ids(train_shards + val_shards, cfg.model.vocab_size)
         ValidationSet(val_shards, cfg.resolved_val_tokens(), cfg.T)  # enough val tokens?
         return folder
