@@ -1,5 +1,5 @@
 """tools/device_setup.sh: HEAD packed here (its commit object and file list), rebuilt there from the copied files
-into a clean checkout of the same sha."""
+into a clean checkout of the same sha, other studies' committed results optionally left home."""
 
 import json
 import os
@@ -57,7 +57,22 @@ def test_pack_here_setup_there_gives_a_clean_checkout_of_head(tmp_path):
     (there / "README.md").write_text("changed after pack\n")
     changed = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")},
                  check=False)
-    assert changed.returncode == 1 and "are not HEAD's tree" in changed.stderr
+    assert changed.returncode == 1 and "differ from HEAD's" in changed.stderr and "README.md" in changed.stderr
+    sh(["git", "checkout", "-q", "README.md"], here)
+    shutil.copy(here / "README.md", there / "README.md")
+
+    # Committed results of other studies may stay home (the copy must fit 64 MiB): HEAD's tree and a clean
+    # checkout all the same, the absent files marked skip-worktree; a missing source file is refused.
+    shutil.rmtree(there / "results" / "clipping")
+    thin = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")})
+    assert "left home: results/clipping" in thin.stdout and f"at {head} (clean: 0 changed files)" in thin.stdout
+    assert sh(["git", "status", "--porcelain"], src).stdout == ""
+    assert not (src / "results" / "clipping").exists() and (src / "results" / "precision").is_dir()
+    shutil.rmtree(src)
+    (there / "blunb" / "stats.py").unlink()
+    gone = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there, env={"EXTRA_DIR": str(tmp_path / "x")},
+              check=False)
+    assert gone.returncode == 1 and "only results/ may be left home" in gone.stderr and "blunb/stats.py" in gone.stderr
     bad = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
              env={"EXTRA_DIR": str(tmp_path / "site-packages")}, check=False)
     assert bad.returncode == 2 and "would be read as site-packages" in bad.stderr

@@ -37,6 +37,7 @@ pack)
   git cat-file commit HEAD > .device/head.commit
   echo "$(git rev-parse HEAD) $(git rev-parse 'HEAD^{tree}')" > .device/head.ids
   git ls-files -z > .device/files.z
+  git ls-files -s > .device/index   # mode, blob id and path of every file: the tree, for files left home too
   git ls-files -z --stage | tr '\0' '\n' | awk '$1 == "100755" { sub(/^[^\t]*\t/, ""); print }' > .device/executables
   # the abi3 build (its C++ extensions included) any CPython >= 3.10 on Linux x86_64 takes: the one the fp8 GPU tests passed with
   ls .device/wheels/torchao-*.whl > /dev/null 2>&1 ||
@@ -54,14 +55,36 @@ setup)
   if [ "$(git -C "$src" rev-parse HEAD 2> /dev/null || true)" != "$sha" ]; then
     rm -rf "$src"
     mkdir -p "$src"
-    tar cf - --null -T .device/files.z | tar xf - -C "$src"
+    # Committed results of other studies may be left home (a sparse checkout there: the whole tree would not fit
+    # the 64 MiB a command carries); anything else missing is an error.
+    left_home=$(tr '\0' '\n' < .device/files.z | while IFS= read -r f; do [ -e "$f" ] || echo "$f"; done)
+    if printf '%s\n' "$left_home" | grep -v '^results/' | grep -q .; then
+      echo "files of HEAD missing here (only results/ may be left home):" >&2
+      printf '%s\n' "$left_home" | grep -v '^results/' | head >&2
+      exit 1
+    fi
+    [ -z "$left_home" ] || echo "left home: $(printf '%s\n' "$left_home" | cut -d/ -f1-2 | sort -u | tr '\n' ' ')"
+    present=$(mktemp)
+    tr '\0' '\n' < .device/files.z | while IFS= read -r f; do [ -e "$f" ] && printf '%s\0' "$f"; done > "$present"
+    tar cf - --null -T "$present" | tar xf - -C "$src"
     # a copy may not keep the executable bits, which are part of the tree
     here=$PWD
-    (cd "$src" && xargs -0 chmod a-x < "$here/.device/files.z" && tr '\n' '\0' < "$here/.device/executables" |
+    (cd "$src" && xargs -0 chmod a-x < "$present" && tr '\n' '\0' < "$here/.device/executables" |
       xargs -0 -r chmod a+x)
     git -C "$src" init -q
-    git -C "$src" add -A
-    built=$(git -C "$src" write-tree)
+    # HEAD's index from its recorded blob ids; the files left home are marked skip-worktree, and every file here
+    # must match its blob (diff-files), so the checkout is HEAD's and clean
+    git -C "$src" update-index --index-info < .device/index
+    [ -z "$left_home" ] || printf '%s\n' "$left_home" | git -C "$src" update-index --skip-worktree --stdin
+    git -C "$src" update-index -q --refresh > /dev/null || true
+    if ! git -C "$src" diff-files --quiet; then
+      echo "copied files differ from HEAD's (a file changed after pack?):" >&2
+      git -C "$src" diff-files --name-only | head >&2
+      exit 1
+    fi
+    (cd "$src" && tr '\0' '\n' < "$present" | git hash-object -w --stdin-paths > /dev/null)
+    rm -f "$present"
+    built=$(git -C "$src" write-tree --missing-ok)
     if [ "$built" != "$tree" ]; then
       echo "the copied files are not HEAD's tree ($built, expected $tree): a file changed after pack?" >&2
       exit 1
