@@ -204,8 +204,11 @@ def test_logits_memory_is_the_seeds_formula():
 
 # ---------------------------------------------------------------- time figures from runs alone on their GPU
 
-def _summary(rows):
-    return pd.DataFrame(rows, columns=["arm", "seed", "run", "steady_tok_per_sec", "peak_mem_gib", "gpu_shared"])
+def _summary(rows, device="NVIDIA H200"):
+    """Rows of arm, seed, run, tok/s, peak GiB, gpu_shared and optionally the device (else `device`)."""
+    rows = [row if len(row) == 7 else [*row, device] for row in rows]
+    return pd.DataFrame(rows, columns=["arm", "seed", "run", "steady_tok_per_sec", "peak_mem_gib", "gpu_shared",
+                                       "device"])
 
 
 def test_arm_costs_read_step_time_from_solo_runs_only():
@@ -242,6 +245,30 @@ def test_arm_costs_refuse_a_summary_without_the_record_or_the_base():
         arm_costs(summary.drop(columns="gpu_shared"), 1000, "base")
     with pytest.raises(ValueError, match="base arm 'fp32' is not in"):
         arm_costs(summary, 1000, "fp32")
+    with pytest.raises(ValueError, match="device"):
+        arm_costs(summary.drop(columns="device"), 1000, "base")
+
+
+def test_arm_costs_never_mix_devices_in_a_time_or_a_ratio():
+    """A borrowed GPU may be an H100 one day and an H200 the next: a mean or ratio across them is no setting's."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    summary = _summary([
+        ["base", 0, "base-s0", 1000.0, 10.0, False, h200],
+        ["same", 0, "same-s0", 800.0, 10.0, False, h200],
+        ["other", 0, "other-s0", 700.0, 10.0, False, h100],
+        ["mixed", 0, "mixed-s0", 900.0, 10.0, False, h200],
+        ["mixed", 1, "mixed-s1", 600.0, 10.0, False, h100],
+    ])
+    cost = arm_costs(summary, tokens_per_step=1000, base="base")
+    assert cost.loc["same", "tok_per_sec_vs_base"] == pytest.approx(0.8) and cost.loc["same", "time_na"] == ""
+    # its own time stands (one device), its ratio to a base timed elsewhere does not
+    assert cost.loc["other", "tok_per_sec"] == 700.0 and cost.loc["other", "device"] == h100
+    assert math.isnan(cost.loc["other", "tok_per_sec_vs_base"])
+    assert f"another device than base's ({h200})" in cost.loc["other", "time_na"]
+    # two devices in one arm's solo runs: no mean of them
+    assert cost.loc["mixed", ["tok_per_sec", "step_ms", "tok_per_sec_vs_base"]].isna().all()
+    assert cost.loc["mixed", "device"] == f"{h200} / {h100}" and "different devices" in cost.loc["mixed", "time_na"]
+    assert cost.loc["mixed", "peak_mem_gib"] == 10.0  # memory is each process's own, on any device
 
 
 def test_solo_first_trains_every_arms_first_seed_alone_then_the_rest_two_per_gpu(tmp_path, fake_gpu_runs):

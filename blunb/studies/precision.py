@@ -177,10 +177,12 @@ def _shared(summary: pd.DataFrame) -> list[bool | None]:
 def arm_costs(summary: pd.DataFrame, tokens_per_step: int, base: str) -> pd.DataFrame:
     """Per arm of a study's summary (its order): steady tok/s and step time (tokens_per_step over it) as the
     mean over the arm's solo runs only (`solo_runs`): a shared GPU's step time is two runs', not the arm's.
-    An arm with no solo run has NaN there and says why in `time_na`. Peak memory is the mean over every run:
-    it is each process's own torch.cuda.max_memory_allocated, which another process on the GPU does not
-    change. `*_vs_base`: against arm `base`. Index: arm; also runs, solo_runs."""
-    missing = [c for c in ("arm", "steady_tok_per_sec", "peak_mem_gib", "gpu_shared") if c not in summary]
+    Time is a device's: an arm whose solo runs trained on different devices (a borrowed machine may be an H100
+    one day and an H200 the next) has no time, and `tok_per_sec_vs_base` is NaN where the arm's device is not
+    the base's; `device` names the solo runs' device. An arm without a time says why in `time_na`. Peak memory
+    is the mean over every run: it is each process's own torch.cuda.max_memory_allocated, which another process
+    on the GPU does not change. `*_vs_base`: against arm `base`. Index: arm; also runs, solo_runs."""
+    missing = [c for c in ("arm", "steady_tok_per_sec", "peak_mem_gib", "gpu_shared", "device") if c not in summary]
     if missing:
         raise ValueError(f"summary lacks {missing} (a Study's summary with gpu_shared added per run)")
     if base not in set(summary["arm"]):
@@ -189,18 +191,28 @@ def arm_costs(summary: pd.DataFrame, tokens_per_step: int, base: str) -> pd.Data
     rows = []
     for arm, runs in summary.groupby("arm", sort=False):
         mine = solo[solo["arm"] == arm]
+        devices = list(dict.fromkeys(mine["device"].astype(str)))
         shared = _shared(runs).count(True)
         unknown = len(runs) - len(mine) - shared
-        tok_s = float(mine["steady_tok_per_sec"].mean()) if len(mine) else math.nan
-        why = "" if len(mine) else (f"no run trained alone on its GPU: {shared} shared it, {unknown} have no record "
-                                    "(made before runs recorded it, or launched outside blunb.study)")
-        rows.append({"arm": arm, "runs": len(runs), "solo_runs": len(mine), "tok_per_sec": tok_s,
-                     "step_ms": tokens_per_step / tok_s * 1e3, "peak_mem_gib": float(runs["peak_mem_gib"].mean()),
-                     "time_na": why})
+        if not len(mine):
+            why = (f"no run trained alone on its GPU: {shared} shared it, {unknown} have no record "
+                   "(made before runs recorded it, or launched outside blunb.study)")
+        elif len(devices) > 1:
+            why = f"its solo runs trained on different devices ({', '.join(devices)}): no one device's time"
+        else:
+            why = ""
+        tok_s = float(mine["steady_tok_per_sec"].mean()) if not why else math.nan
+        rows.append({"arm": arm, "runs": len(runs), "solo_runs": len(mine), "device": " / ".join(devices),
+                     "tok_per_sec": tok_s, "step_ms": tokens_per_step / tok_s * 1e3,
+                     "peak_mem_gib": float(runs["peak_mem_gib"].mean()), "time_na": why})
     cost = pd.DataFrame(rows).set_index("arm")
-    cost["tok_per_sec_vs_base"] = cost["tok_per_sec"] / cost.loc[base, "tok_per_sec"]
+    base_device = cost.loc[base, "device"]
+    cost["tok_per_sec_vs_base"] = (cost["tok_per_sec"] / cost.loc[base, "tok_per_sec"]).where(
+        cost["device"] == base_device)
+    other = cost.index[(cost["device"] != base_device) & (cost["time_na"] == "") & cost["tok_per_sec"].notna()]
+    cost.loc[other, "time_na"] = f"no ratio to {base}: trained alone on another device than {base}'s ({base_device})"
     cost["peak_mem_vs_base_gib"] = cost["peak_mem_gib"] - cost.loc[base, "peak_mem_gib"]
-    return cost[["runs", "solo_runs", "tok_per_sec", "step_ms", "tok_per_sec_vs_base", "peak_mem_gib",
+    return cost[["runs", "solo_runs", "device", "tok_per_sec", "step_ms", "tok_per_sec_vs_base", "peak_mem_gib",
                  "peak_mem_vs_base_gib", "time_na"]]
 
 
