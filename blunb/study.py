@@ -625,7 +625,29 @@ def _cache_action(plan: _Planned, nproc: int) -> str:
     if stored != plan.config or world_size != nproc or data_change:
         return "overwrite"
     status = read_status(plan.run_dir) or {}
+    if status.get("state") == "completed":
+        _check_metrics_reach_the_end(plan)
     return "cached" if status.get("state") in FINISHED else "resume"
+
+
+def _check_metrics_reach_the_end(plan: _Planned) -> None:
+    """A completed run's metrics.csv ends at its last step: a folder whose status says completed over metrics
+    cut short (a partial copy, a file truncated by hand) would be summarized as finished from the rows it
+    lost. Refused, naming the run, before any work."""
+    last_step = plan.config["max_steps"] - 1
+    path = plan.run_dir / "metrics.csv"
+    try:
+        with path.open("rb") as f:
+            columns = f.readline().decode(errors="replace").count(",")
+            f.seek(max(0, path.stat().st_size - 65536))
+            last = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()][-1]
+        step = int(last.split(",", 1)[0]) if last.count(",") == columns else None  # a row cut mid-line: unread
+    except (OSError, IndexError, ValueError):
+        step = None
+    if step != last_step:
+        found = "no readable last row" if step is None else f"its last row is step {step}"
+        raise StudyError(f"run {plan.name}: status.json says completed, but {path} ends short of step {last_step} "
+                         f"({found}): the folder is damaged (a cut-short copy?). Restore it, or remove it to retrain")
 
 
 def _cached_outcome(plan: _Planned) -> _Outcome:

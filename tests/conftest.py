@@ -46,8 +46,9 @@ def fake_gpu_runs(monkeypatch):
 
     import blunb.data
     import blunb.study
-    from blunb.runs import GPU_SHARE_ENV, gpu_sharing, write_status
+    from blunb.runs import GPU_SHARE_ENV, gpu_sharing
     from blunb.train import parse_args
+    from tests.run_folders import write_completed
 
     launches = []
 
@@ -63,7 +64,7 @@ def fake_gpu_runs(monkeypatch):
         run_dir = Path(parsed.run_dir)
         (run_dir / "config.json").write_text(cfg.to_json())
         (run_dir / "env.json").write_text(json.dumps({"world_size": 1, "gpu_sharing": gpu_sharing("cuda:0", env)}))
-        write_status(run_dir, "completed", cfg.max_steps, cfg.max_steps)
+        write_completed(run_dir, cfg.max_steps)
         launches.append((run_dir.name, env.get(GPU_SHARE_ENV), env.get("CUDA_VISIBLE_DEVICES")))
         return Done()
 

@@ -14,6 +14,7 @@ import torch
 
 from blunb.config import ConfigError, TrainConfig, apply_overrides, preset
 from blunb.data import DataError, ShardLoader, WindowLoader, build_train_loader, read_shard, write_shard
+from tests.run_folders import write_completed
 
 T = 16
 
@@ -211,7 +212,6 @@ def test_an_old_config_json_is_read_as_the_legacy_shard_order():
 
 
 def test_the_study_cache_does_not_take_an_old_run_for_a_windows_run(tmp_path):
-    from blunb.runs import write_status
     from blunb.study import Study
 
     (plan,) = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)._plan()
@@ -221,7 +221,7 @@ def test_the_study_cache_does_not_take_an_old_run_for_a_windows_run(tmp_path):
     plan.run_dir.mkdir(parents=True)
     (plan.run_dir / "config.json").write_text(json.dumps(old))
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
-    write_status(plan.run_dir, "completed", 4, 4)
+    write_completed(plan.run_dir, 4)
     assert Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
     legacy = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path, common=["data_order=shards"])
     assert legacy._plan()[0].action == "cached"                # what a notebook re-rendering old runs passes

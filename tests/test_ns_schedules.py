@@ -24,6 +24,7 @@ from blunb.optim.newton_schulz import (
     resolve_coefficients,
     zeropower_reference,
 )
+from tests.run_folders import write_completed
 
 # bf16 iterates are rounded every step (2^-9 relative per rounding, a few roundings per step, amplified
 # by each polynomial's slope); on these inputs they land at most 0.004 outside the exact-arithmetic bands
@@ -235,7 +236,6 @@ def test_a_muon_run_trains_with_polar_express_and_records_it(tmp_path, engines):
 def test_the_study_cache_reads_a_run_from_before_the_setting_as_fixed(tmp_path):
     """A completed run folder whose config.json predates muon_ns_schedule ran the fixed coefficients:
     the study cache takes it for a fixed arm and re-runs it for a polar_express arm."""
-    from blunb.runs import write_status
     from blunb.study import Study
 
     arms = {"fixed": ["optimizer=muon"], "pe": ["optimizer=muon", "muon_ns_schedule=polar_express"]}
@@ -245,7 +245,7 @@ def test_the_study_cache_reads_a_run_from_before_the_setting_as_fixed(tmp_path):
         plan.run_dir.mkdir(parents=True)
         (plan.run_dir / "config.json").write_text(json.dumps(old))
         (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
-        write_status(plan.run_dir, "completed", 4, 4)
+        write_completed(plan.run_dir, 4)
     actions = {p.arm: p.action for p in Study("s", arms, seeds=[0], steps=4, root=tmp_path)._plan()}
     assert actions == {"fixed": "cached", "pe": "overwrite"}
 

@@ -9,8 +9,9 @@ import pytest
 
 import blunb
 import blunb.study
-from blunb.runs import MetricsWriter, environment, git_state, source_digest, write_status
+from blunb.runs import MetricsWriter, environment, git_state, source_digest
 from blunb.study import Study, StudyError, check_publish, publishes
+from tests.run_folders import write_completed
 
 PACKAGE = blunb.__file__.rsplit("/", 1)[0]
 
@@ -102,7 +103,7 @@ def _completed_run(study: Study):
                      "dt_ms": 1.0, "lr": 1e-3, "elapsed_min": 0.0, "mfu": 0.0, "mfu_palm": 0.0,
                      "tflops_per_gpu": 0.0})
         w.close()
-        write_status(plan.run_dir, "completed", 4, 4)
+        write_completed(plan.run_dir, 4)
 
 
 def test_a_study_refuses_to_publish_from_a_dirty_tree_and_records_allow_dirty(repo):

@@ -27,6 +27,7 @@ from blunb.study import (
     run_study,
 )
 from tests.distributed import REPO
+from tests.run_folders import write_completed
 
 SKIPS = ["max_lr=1e30", "grad_clip=0", "max_consecutive_skips=1"]  # fails at step 1, every time
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -90,18 +91,44 @@ def test_cache_actions_follow_the_run_folder(tmp_path):
     plan.run_dir.mkdir(parents=True)
     (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
-    write_status(plan.run_dir, "completed", 4, 4)
+    write_completed(plan.run_dir, 4)
     assert study._plan()[0].action == "cached"
     write_status(plan.run_dir, "diverged", 4, 4)  # trained to the end: it would diverge again
     assert study._plan()[0].action == "cached"
     for state in ("running", "failed", "killed"):
         write_status(plan.run_dir, state, 2, 4)
         assert study._plan()[0].action == "resume"
-    write_status(plan.run_dir, "completed", 4, 4)
+    write_completed(plan.run_dir, 4)
     assert Study("s", {"a": ["max_lr=2e-3"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 2}))  # same config, another world size
     assert study._plan()[0].action == "overwrite"
 
+
+
+def test_a_completed_run_whose_metrics_stop_short_is_refused_not_summarized(tmp_path):
+    """status.json says completed over a metrics.csv cut short (a partial copy): the summary would read the rows
+    that are left as the run's result. A clear error before any work, naming the run and what its file holds."""
+    study = Study("s", {"a": []}, seeds=[0], steps=4, root=tmp_path)
+    (plan,) = study._plan()
+    plan.run_dir.mkdir(parents=True)
+    (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
+    (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
+    write_completed(plan.run_dir, 4)
+    assert study._plan()[0].action == "cached"
+    metrics = plan.run_dir / "metrics.csv"
+    whole = metrics.read_text()
+    for cut, found in ((whole.rsplit("\n", 2)[0] + "\n", "its last row is step 2"),
+                       (whole.rsplit("\n", 2)[0] + "\n3", "no readable last row"),  # the last row cut mid-line
+                       (whole.split("\n", 1)[0] + "\n", "no readable last row"), (None, "no readable last row")):
+        if cut is None:
+            metrics.unlink()
+        else:
+            metrics.write_text(cut)
+        with pytest.raises(StudyError, match=rf"run a-s0: status.json says completed, but .*metrics.csv ends short "
+                                             rf"of step 3 \({found}\): the folder is damaged"):
+            study._plan()
+    write_status(plan.run_dir, "failed", 2, 4)  # an unfinished run is resumed, whatever its metrics hold
+    assert study._plan()[0].action == "resume"
 
 
 def test_a_run_is_cached_only_on_the_data_it_read(tmp_path, monkeypatch, no_launch):
@@ -122,7 +149,7 @@ def test_a_run_is_cached_only_on_the_data_it_read(tmp_path, monkeypatch, no_laun
     (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
     shards = shard_manifest(find_shards(data, "train") + find_shards(data, "val"))
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1, "shards": shards}))
-    write_status(plan.run_dir, "completed", 4, 4)
+    write_completed(plan.run_dir, 4)
     assert study._plan()[0].action == "cached"
     write_shard(data / "train_000001.bin", (np.arange(4096) % 250)[::-1])  # same name and size, other tokens
     assert study._plan()[0].action == "overwrite"
@@ -144,7 +171,7 @@ def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, m
         plan.run_dir.mkdir(parents=True)
         (plan.run_dir / "config.json").write_text(json.dumps(plan.config))
         (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
-        write_status(plan.run_dir, "completed", 4, 4)
+        write_completed(plan.run_dir, 4)
     published = {"published": True}
     monkeypatch.setattr(blunb.study, "check_publish", lambda folder, allow_dirty: dict(published))
     changed = Study("s", {"a": ["max_lr=2e-3"], "b": []}, seeds=[0], steps=4, root=tmp_path)
@@ -170,7 +197,7 @@ def test_completed_committed_runs_are_not_replaced_by_a_changed_plan(tmp_path, m
     with pytest.raises(StudyError, match=r"replace 1 finished .*b-s0 \(its config cannot be read: .*env.json"):
         changed.run()
     (tmp_path / "s" / "b-s0" / "env.json").write_text(json.dumps({"world_size": 2}))
-    write_status(tmp_path / "s" / "b-s0", "completed", 4, 4)
+    write_completed(tmp_path / "s" / "b-s0", 4)
     monkeypatch.delenv("BLUNB_KEEP_COMPLETED")
     with pytest.raises(AssertionError, match="a process was started"):
         changed.run()
@@ -190,7 +217,7 @@ def test_a_config_field_added_after_the_run_keeps_it_cached_at_its_default(tmp_p
     plan.run_dir.mkdir(parents=True)
     (plan.run_dir / "config.json").write_text(json.dumps(older))
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
-    write_status(plan.run_dir, "completed", 4, 4)
+    write_completed(plan.run_dir, 4)
     assert study._plan()[0].action == "cached"
     # ... but not when the run asks for a non-default value of the field the stored run predates
     assert Study("s", {"a": ["ckpt_keep=5"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
@@ -209,7 +236,7 @@ def test_a_run_whose_device_decided_the_auto_settings_stays_cached_under_auto(tm
     plan.run_dir.mkdir(parents=True)
     (plan.run_dir / "config.json").write_text(json.dumps(gpu_run))
     (plan.run_dir / "env.json").write_text(json.dumps({"world_size": 1}))
-    write_status(plan.run_dir, "completed", 4, 4)
+    write_completed(plan.run_dir, 4)
     assert study._plan()[0].action == "cached"
     assert Study("s", {"a": ["compile=true"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "cached"
     assert Study("s", {"a": ["compile=false"]}, seeds=[0], steps=4, root=tmp_path)._plan()[0].action == "overwrite"
