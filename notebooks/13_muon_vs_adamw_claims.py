@@ -77,6 +77,10 @@ GPU_SCALE = {
     "sweep_seeds_per_lr": 1,
     "controlled_arm_seeds": 3,
     "adamw_schedule_factor": 2,
+    # 2 x 2000 steps x 32,768 tokens = 131M, 1.3 passes over the ~101M-token corpus: tokens-to-target is read
+    # within the first pass only (a crossing on repeated data would flatter AdamW), later as not reached.
+    "to_target_within": "one epoch of the corpus (env.json's corpus train_tokens); a crossing after it is not "
+                        "reached, and that seed's ratio a lower bound (budget / Muon's tokens)",
     "ns_options": {tag: {"arm": f"muon {tag}: the tuned Muon arm's settings and lr with NS_OPTIONS[{tag!r}]",
                          "overrides": overrides, "baseline": NS_BASELINE, "seeds": NS_OPTION_SEEDS,
                          "pairing": "seed k shares seed and data_seed k with the tuned Muon arm's seed k"}
