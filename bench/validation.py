@@ -9,6 +9,7 @@ Why: the GPU studies' runs spend 19-25 s of ~100 s of steps on 9 validation pass
 (124m alone on an H100, status.json's wall_s), i.e. a forward-only pass at about a training step's tok/s,
 where a forward is about a third of a step's FLOPs. The variants split where a pass's time goes:
  - `train_step`: the trainer's step (micro_step, forward, backward, the optimizer step), tok/s;
+ - `evaluate_first_pass`: evaluate's first pass, which compiles the no_grad / eval graphs (once per run);
  - `evaluate`: blunb.train.evaluate over a ValidationSet of --val-tokens random tokens in a temporary shard
    (the memmap reads, host batches and their copies to the device included);
  - `eval_device_batches`: the same model calls over the same batches already on the device, no_grad, eval
@@ -133,7 +134,9 @@ def main(argv=None) -> None:
         micro_batches = -(-val_set.n_seq // cfg.B)
         tokens = val_set.n_seq * cfg.T
         pass_ = lambda: evaluate(model, val_set, cfg.B, device, 1)  # noqa: E731
-        _timed(pass_, device, 1)   # the no_grad / eval graphs compile here
+        # The first pass compiles the no_grad / eval graphs: once per run in the trainer, so its cost counts.
+        seconds, loss = _timed(pass_, device, 1)
+        record("evaluate_first_pass", seconds, tokens, micro_batches, loss)
         seconds, loss = _timed(pass_, device, args.passes)
         record("evaluate", seconds, tokens, micro_batches, loss)
 
