@@ -148,6 +148,19 @@ def gpu_shared(env: dict) -> bool | None:
     return None if None in launches else False
 
 
+def machine(env: dict) -> str:
+    """The device a run trained on, as exactly as its env.json says: the GPU model and the card's uuid
+    (`device_uuid`, recorded since 2026-12-07), else the model alone (the CPU: "cpu"). Step times compare
+    only on one machine: two lent as the same model need not time alike (host, clocks). A resumed run
+    whose launches (env["resumed"]["earlier_env"]) trained on different cards names each, joined by " + "."""
+    launches, e = [], env
+    while e is not None:
+        name, uuid = e.get("device"), e.get("device_uuid")
+        launches.append(f"{name} ({uuid})" if uuid else str(name))
+        e = (e.get("resumed") or {}).get("earlier_env")
+    return " + ".join(dict.fromkeys(reversed(launches)))
+
+
 def environment(world_size: int, device, shards: list[Path] | None = None) -> dict:
     """What env.json records. With `shards`, also each shard's name, size and sha256 (cached per file)."""
     import numpy as np
@@ -166,6 +179,8 @@ def environment(world_size: int, device, shards: list[Path] | None = None) -> di
         "triton": triton_version,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        # which card: two machines lent as the same GPU model differ in step time (host, clocks, neighbours)
+        "device_uuid": str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None,
         "world_size": world_size,
         "git_sha": sha,
         "git_dirty": dirty,

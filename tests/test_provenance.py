@@ -29,6 +29,7 @@ def test_the_source_digest_names_the_code_in_a_copy_without_git(tmp_path):
     assert here["files"] > 10 and len(here["sha256"]) == 64 and source_digest(copy) == here
     env = environment(1, "cpu")
     assert env["blunb_sources"] == here and "git_sha" in env
+    assert env["device"] == "cpu" and env["device_uuid"] is None   # a card's uuid on CUDA only
     (copy / "optim" / "clip.py").write_text((copy / "optim" / "clip.py").read_text() + "\n# edited\n")
     edited = source_digest(copy)
     assert edited["sha256"] != here["sha256"] and edited["files"] == here["files"]

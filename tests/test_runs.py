@@ -15,6 +15,7 @@ from blunb.runs import (
     environment,
     git_state,
     gpu_shared,
+    machine,
     gpu_sharing,
     load_run,
     load_study,
@@ -163,6 +164,19 @@ def _env(shared, earlier=None):
     if earlier is not None:
         env["resumed"] = {"step": 2, "earlier_env": earlier}
     return env
+
+
+def test_machine_names_the_card_where_env_json_records_it():
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert machine({"device": "cpu", "device_uuid": None}) == "cpu"
+    assert machine({"device": h100}) == h100   # a run from before device_uuid: the model alone
+    first = {"device": h100, "device_uuid": "GPU-aaaa"}
+    assert machine(first) == f"{h100} (GPU-aaaa)"
+    again = {"device": h100, "device_uuid": "GPU-aaaa", "resumed": {"earlier_env": first}}
+    assert machine(again) == f"{h100} (GPU-aaaa)"   # resumed on the same card: one machine
+    moved = {"device": h100, "device_uuid": "GPU-bbbb", "resumed": {"earlier_env": first}}
+    assert machine(moved) == f"{h100} (GPU-aaaa) + {h100} (GPU-bbbb)"   # launch order
+    assert machine(moved) != machine(first)   # never pooled with either card's runs
 
 
 def test_gpu_shared_reads_the_record_and_an_old_run_as_unknown():

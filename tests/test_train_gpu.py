@@ -34,7 +34,9 @@ def test_the_defaults_pick_the_compiled_path_with_the_chunked_loss_on_cuda(tmp_p
     run_dir = train(cfg, tmp_path / "run")
     config = json.loads((run_dir / "config.json").read_text())
     assert config["compile"] is True and config["model"]["chunked_ce"] is True
-    facts = json.loads((run_dir / "env.json").read_text())["training"]
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["device_uuid"] == str(torch.cuda.get_device_properties(0).uuid)   # which card, not just the model
+    facts = env["training"]
     assert facts["auto_settings"] == {"compile": True, "model.chunked_ce": True}
     assert "(chunked, never materialized)" in facts["precision"]["logits"]
     assert "auto settings on cuda: compile=true model.chunked_ce=true (the fastest setting measured on CUDA" in \
