@@ -188,8 +188,12 @@ _ALONE_MIN, _PAIR_MIN = 44 / 24, (28 - 6 * 44 / 24) / 9
 _PAIRS = (sum(SEEDS.values()) - len(SEEDS)) // 2
 GPU_SCALE = {
     "preset": "124m",
-    "device": "one NVIDIA H200: seed 0 of each arm alone (its step time and tok/s are the arm's time figures), the "
-              "other seeds two per GPU (peak memory is each run's own max_memory_allocated, the same shared or alone)",
+    # Changed 2026-12-07, after every arm's seed 0 had trained alone on two H100 leases that timed the same 124m
+    # step differently (results/precision-gpu/README.md): the time figures come from the timing pass, each arm
+    # alone for timing_steps steps one right after another, on one machine. No claim reads time.
+    "device": "one NVIDIA H200: seed 0 of each arm alone, the other seeds two per GPU (peak memory is each run's "
+              "own max_memory_allocated, the same shared or alone); the time figures from the timing pass "
+              "(timing_steps, each arm alone, one right after another on one card: env.json's device_uuid)",
     "runs_per_gpu": 2,
     "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
     "tokens_per_step": 16384,   # one B16 x T1024 micro-batch: the logits formula's B*T = 16384
@@ -214,7 +218,7 @@ GPU_SCALE = {
     # carries little sampling noise of its own).
     "parameters": {
         "preset": "124m", "steps": 2000, "seeds": list(range(LOSS_SEEDS)), "fp8_seeds": list(range(FP8_SEEDS)),
-        "fp8_arms": "auto", "runs_per_gpu": 2, "study": "precision-gpu",
+        "fp8_arms": "auto", "runs_per_gpu": 2, "timing_steps": 150, "study": "precision-gpu",
         "common": ["global_batch=16384", "warmup_steps=200", "stable_steps=1400", "val_freq=250",
                    "val_tokens=1048576", "data=<site-packages bpe:16384 corpus>", "model.vocab_size=16384"],
     },
