@@ -94,7 +94,11 @@ GPU_SCALE = {
         "preset": "124m", "steps": 2000, "seeds": [0, 1, 2, 3, 4, 5], "pilot_seed": 100,
         "adamw_lrs": [7.5e-5, 1.5e-4, 3e-4, 6e-4, 1.2e-3], "muon_lrs": [4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3],
         "controlled_seeds": 3, "adamw_schedule_factor": 2, "ns_option": True, "real_batch_steps": 20,
-        "runs_per_gpu": 4, "study": "muon_vs_adamw-gpu",
+        # 2, not 4 (changed 2026-12-07, before any GPU run of this study): a borrowed machine's lease gives
+        # ~900-1,600 s of training, and a run still in flight when it ends is lost (its checkpoints are too large
+        # to bring home). Four at a time on an H100 took ~530 s a 2000-step run (clipping-gpu), so the AdamW arm's
+        # 4000-step runs would need ~1,060 s; two at a time halves both, for about the same total throughput.
+        "runs_per_gpu": 2, "study": "muon_vs_adamw-gpu",
         "common": ["global_batch=32768", "warmup_steps=200", "stable_steps=1400", "val_freq=50",
                    "val_tokens=163840", "data=<site-packages bpe:16384 corpus>", "model.vocab_size=16384"],
     },
@@ -129,7 +133,7 @@ CLAIMS = [
           figure="the notebook's own claim (the seed gives no time-to-target)",
           statistic="AdamW / Muon training seconds to the target, from the grid runs",
           test="n/a",
-          na_reason="the grid's runs share the device (GPU_SCALE: 4 runs per H200; on the CPU, parallel "
+          na_reason="the grid's runs share the device (GPU_SCALE: runs_per_gpu at a time; on the CPU, parallel "
                     "processes on shared cores), so their step times hold the others' contention; issue 31: "
                     "a time claim uses step times from one-at-a-time runs only"),
     Claim(id="muon.faster_real_batch",
