@@ -164,6 +164,13 @@ class Study:
             raise FileNotFoundError(f"{path} does not exist yet: run the study first (Study.run())")
         return pd.read_csv(path)
 
+    def check(self) -> None:
+        """The checks run() makes before it launches anything (every run's settings and data, publishing from a
+        clean tree), launching nothing: a study that runs after another one (a timing pass after a grid) fails
+        now on a bad setting, not after the other's hours."""
+        self._plan()
+        check_publish(self.folder, self.allow_dirty)
+
     def run(self) -> pd.DataFrame:
         """Check every run, launch the ones not cached, write summary.csv and metrics_long.csv and
         return the summary table; raise StudyError for failed runs unless allow_failures."""

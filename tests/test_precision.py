@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from blunb import fp8
+from blunb.claims import load_spec
 from blunb.config import BF16_STAGES, FP8_RECIPES, ConfigError, apply_overrides, preset
 from blunb.model import BLU
 from blunb.optim.build import NoMasterAdamW, build_optimizers
@@ -34,6 +35,7 @@ from blunb.studies.precision import (
     representable_in_bf16,
     solo_first,
     solo_runs,
+    timing_common,
 )
 from blunb.study import Study
 from tests.distributed import REPO
@@ -371,8 +373,8 @@ def test_fp8_arm_seeds_pair_the_fp8_arms_with_the_base_at_fp8_seeds():
 
 
 def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
-    """results/precision's runs predate the GPU-sharing record and the fp8 arms: rendered render_only (the README's
-    parameters), they give the committed claims.csv row for row, the fp8 claims (declared since) n/a saying why,
+    """results/precision's runs predate the GPU-sharing record, the fp8 arms and the timing pass: rendered render_only
+    (the README's parameters, timing_steps 0), they give the committed claims.csv row for row, the fp8 claims (declared since) n/a saying why,
     and no arm's step time is reported."""
     shutil.copytree(REPO / "results" / "precision", tmp_path / "precision",
                     ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
@@ -380,7 +382,7 @@ def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
     common = "['global_batch=16384', 'val_freq=50', 'val_tokens=65536', 'data_order=shards']"
     proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/11_precision.ipynb", "--script",
                            "-p", "preset", "124m", "-p", "steps", "300", "-p", "publish", "True",
-                           "-p", "render_only", "True", "-p", "common", common],
+                           "-p", "render_only", "True", "-p", "timing_steps", "0", "-p", "common", common],
                           capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -399,3 +401,31 @@ def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
     assert cost["time_na"].str.contains("0 shared it, 2 have no record").all()
     assert cost["peak_mem_gib"].notna().all()  # memory does not depend on sharing: still reported
     assert "step time and tok/s n/a" in proc.stdout
+
+
+def test_the_timing_pass_keeps_the_grids_settings_but_not_its_schedule(tmp_path):
+    """At GPU scale the grid's common overrides pin a 2000-step schedule (warmup 200, stable 1400), which no
+    150-step timing run can hold: timing_common drops the schedule and validation cadence, keeps the rest, and
+    Study.check refuses the grid's overrides at 150 steps before anything runs (the notebook checks the timing
+    pass before the grid)."""
+    gpu_scale = load_spec(REPO / "notebooks/11_precision_claims.py").module.GPU_SCALE
+    spec_common = [o if not o.startswith("data=") else "data=default"   # the spec's corpus placeholder
+                   for o in gpu_scale["parameters"]["common"]]
+    common = ["model.linear_dtype=bf16", *spec_common]
+    timed = timing_common(common, 150)
+    assert timed == ["model.linear_dtype=bf16", "global_batch=16384", "val_tokens=1048576", "data=default",
+                     "model.vocab_size=16384", "val_freq=150"]
+    arms = {"fp32_layout": ["global_clip=true"], "no_fp32_master": ["optimizer=adamw_bf16_nomaster"]}
+
+    def timing(overrides):
+        return Study("timing", arms, seeds=[0], preset="124m", steps=150, common=overrides, root=tmp_path,
+                     max_parallel=1)
+
+    timing(timed).check()
+    assert not (tmp_path / "timing").exists()   # checked, nothing launched
+    with pytest.raises(ConfigError, match="no decay tail"):
+        timing(common).check()
+    assert timing_common([" warmup_steps = 5", "B=4"], 12) == ["B=4", "val_freq=12"]
+    for bad in (2, True, 12.0):
+        with pytest.raises(ValueError, match="timing steps must be an integer >= 3"):
+            timing_common(common, bad)

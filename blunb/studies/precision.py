@@ -8,6 +8,7 @@
 - `decay_moved_fraction(weights, lr, wd)`, `decay_only(weights, lrs, wd)`: decoupled weight
   decay alone on bf16 weights with and without an fp32 master.
 - `logits_memory(cfg)`: the seed's formula for what the [B,T,V] logits cost per micro-batch.
+- `timing_common(common, steps)`: the grid's overrides for the timing pass (its own schedule, one validation);
 - `solo_first(grid)`: the grid as two Study calls, each arm's first seed alone on its GPU, then the rest;
   `solo_runs(summary)`, `arm_costs(summary, ...)`: step time from the runs that trained alone only.
 - `FP8_ARMS`, `fp8_arms_on(setting, facts, ...)`, `fp8_arms(setting, render_only, folder)`, `fp8_arm_seeds(...)`:
@@ -158,6 +159,20 @@ def solo_first(grid: Study) -> list[Study]:
     alone = dataclasses.replace(grid, seeds=seeds[:1], arm_seeds={arm: s[:1] for arm, s in own.items()},
                                 runs_per_gpu=1)
     return [alone, grid]
+
+
+# The overrides that set a run's length and validation: a timing pass drops them (its own steps, one validation).
+_SCHEDULE_KEYS = ("max_steps", "warmup_steps", "stable_steps", "val_freq")
+
+
+def timing_common(common: Sequence[str], steps: int) -> list[str]:
+    """The timing pass's common overrides: the grid's (batch, data, model, precision) without those of its
+    schedule, which would not fit `steps` (the study rescales the WSD schedule to them), and one validation,
+    at the last step (a timing run's steps are its figures, not its loss)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"timing steps must be an integer >= 3 (a WSD schedule with a decay tail), got {steps!r}")
+    kept = [o for o in common if o.split("=", 1)[0].strip() not in _SCHEDULE_KEYS]
+    return [*kept, f"val_freq={steps}"]
 
 
 def solo_runs(summary: pd.DataFrame) -> pd.DataFrame:
