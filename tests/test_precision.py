@@ -373,9 +373,9 @@ def test_fp8_arm_seeds_pair_the_fp8_arms_with_the_base_at_fp8_seeds():
 
 
 def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
-    """results/precision's runs predate the GPU-sharing record, the fp8 arms and the timing pass: rendered render_only
-    (the README's parameters, timing_steps 0), they give the committed claims.csv row for row, the fp8 claims (declared since) n/a saying why,
-    and no arm's step time is reported."""
+    """results/precision's runs predate the GPU-sharing record, the fp8 arms and the timing pass: rendered
+    render_only (the README's parameters, timing_steps 0), they give the committed claims.csv row for row, the fp8
+    claims (declared since) n/a saying why, and no arm's step time is reported."""
     shutil.copytree(REPO / "results" / "precision", tmp_path / "precision",
                     ignore=shutil.ignore_patterns("*.png", "*.svg", "run.ipynb", "claims.csv"))
     assert all(gpu_shared(load_run(d).env) is None for d in (tmp_path / "precision").glob("*-s*"))
