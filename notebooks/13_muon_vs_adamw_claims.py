@@ -97,7 +97,8 @@ GPU_SCALE = {
         # 2, not 4 (changed 2026-12-07, before any GPU run of this study): a borrowed machine's lease gives
         # ~900-1,600 s of training, and a run still in flight when it ends is lost (its checkpoints are too large
         # to bring home). Four at a time on an H100 took ~530 s a 2000-step run (clipping-gpu), so the AdamW arm's
-        # 4000-step runs would need ~1,060 s; two at a time halves both, for about the same total throughput.
+        # 4000-step runs would need ~1,060 s; two at a time halves both (the total throughput, expected about the
+        # same, is not measured).
         "runs_per_gpu": 2, "study": "muon_vs_adamw-gpu",
         "common": ["global_batch=32768", "warmup_steps=200", "stable_steps=1400", "val_freq=50",
                    "val_tokens=163840", "data=<site-packages bpe:16384 corpus>", "model.vocab_size=16384"],
