@@ -172,7 +172,7 @@ CLAIMS = [
             test="tost", margin=MARGIN_NATS, min_seeds=FP8_SEEDS) for arm in FP8_ARMS),
 ]
 
-# What issue 31 runs on the H200. Every arm shares the schedule (the pairs need it); 2000 steps is
+# What issue 31 runs on one lent GPU (an H200 or H100). Every arm shares the schedule (the pairs need it); 2000 steps is
 # long enough that decay alone would shrink the weights measurably: prod(1 - lr*wd) over the
 # reference's WSD schedule is 0.902 (9.8% smaller; 1.3% within the last 400 steps), which the fp32
 # master follows and the no-master arm's bf16 weights never see.
@@ -191,8 +191,10 @@ GPU_SCALE = {
     # Changed 2026-12-07, after every arm's seed 0 had trained alone on two H100 leases that timed the same 124m
     # step differently (results/precision-gpu/README.md): the time figures come from the timing pass, each arm
     # alone for timing_steps steps one right after another, on one machine. No claim reads time.
-    "device": "one NVIDIA H200: seed 0 of each arm alone, the other seeds two per GPU (peak memory is each run's "
-              "own max_memory_allocated, the same shared or alone); the time figures from the timing pass "
+    # Worded 2026-12-07: the lent machines have been H100s (80GB HBM3) for H200 requests; no claim reads which.
+    "device": "one NVIDIA H200 or H100, as lent: seed 0 of each arm alone, the other seeds two per GPU (peak memory "
+              "is each run's own max_memory_allocated, the same shared or alone); the time figures from the timing "
+              "pass "
               "(timing_steps, each arm alone, one right after another on one card: env.json's device_uuid)",
     "runs_per_gpu": 2,
     "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
