@@ -8,7 +8,8 @@
 #       rebuilds HEAD's commit from the copied files in SRC_DIR (default /root/src; a git checkout of that sha,
 #       clean, its history left out), installs the wheels into $EXTRA_DIR (default
 #       /root/blunb-extra), prepares the BPE-16384 site-packages corpus in CORPUS_DIR (default
-#       /data/sp-bpe16k) unless it is there, and prints the exports for the commands that follow.
+#       /data/sp-bpe16k; "-": none, for the benchmarks on random tokens) unless it is there, and prints the
+#       exports for the commands that follow.
 #       EXPECT_CORPUS_SHA256: the corpus the study's earlier runs read (their env.json); another one
 #       stops here, before any run could mix two corpora in one study.
 #
@@ -17,7 +18,7 @@
 # corpus is site-packages' own code, so installing into it would change the corpus (and its sha256).
 set -euo pipefail
 
-usage() { sed -n '2,12p' "$0" >&2; exit 2; }
+usage() { sed -n '2,14p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 mode=$1; shift
 PYTHON=${PYTHON:-python3}
@@ -97,6 +98,11 @@ setup)
     "$PYTHON" -m pip install -q --no-deps --no-index --target "$extra" .device/wheels/*.whl
   fi
   export PYTHONPATH="$src:$extra"
+  if [ "$corpus" = - ]; then
+    echo "checkout $src at $sha (clean: $(git -C "$src" status --porcelain --untracked-files=no | wc -l) changed files); no corpus"
+    echo "export PYTHONPATH=$src:$extra"
+    exit 0
+  fi
   if [ ! -f "$corpus/meta.json" ]; then
     (cd "$src" && "$PYTHON" -m blunb.data prepare --source site-packages --tokenizer bpe:16384 --out "$corpus" \
       --no-progress > /dev/null)
