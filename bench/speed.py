@@ -101,7 +101,10 @@ def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, wa
                work: Path) -> tuple[dict, list[dict]]:
     cfg = preset(preset_name)
     fp8 = apply_overrides(preset(preset_name), overrides).model.fp8
-    common = [f"global_batch={cfg.B * cfg.T}", f"val_freq={10 * steps}", "ckpt_freq=0", f"mfu_warmup={warmup}"]
+    # val_tokens: four micro-batches, which the random-token val shards hold at every preset (the trainer's default
+    # asks seed-4b's T = 4096 for more windows than they have); the timed steps read no validation
+    common = [f"global_batch={cfg.B * cfg.T}", f"val_freq={10 * steps}", f"val_tokens={4 * cfg.B * cfg.T}",
+              "ckpt_freq=0", f"mfu_warmup={warmup}"]
     r = run_trainer_variant(preset_name, name, common + overrides, steps=steps, warmup=warmup, nproc=1,
                             runs_dir=work / "runs", profile_steps=profile_steps)
     if r["status"] != "ok":

@@ -105,6 +105,9 @@ class StepGraph:
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
+        # The capture's peak allocation (bytes): the step's activations live in the graph's private pool, which a
+        # replay reuses without allocating, so a replayed step's own peak would leave them out.
+        self.capture_peak = 0
 
     @property
     def captured(self) -> bool:
@@ -141,6 +144,7 @@ class StepGraph:
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             self.outputs = body(self.inputs)
         self.graph = graph
+        self.capture_peak = torch.cuda.max_memory_allocated(self.device)
 
     def replay(self):
         self.graph.replay()

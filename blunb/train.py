@@ -539,7 +539,8 @@ def _replay_step(run: _Run, step: int, t0: float, lrs: dict, val_loss: float | N
     values, stats = run.graph.replay()
     if finish_previous is not None:
         finish_previous()
-    peak = torch.cuda.max_memory_allocated(run.device) / 2**30
+    # the graph's pool holds the step's activations: the capture's peak is part of every replayed step's
+    peak = max(torch.cuda.max_memory_allocated(run.device), run.graph.capture_peak) / 2**30
     # no optimizer timing: the update runs inside the graph
     return _PendingStep(step, t0, lrs, val_loss, run.last_val, stats, _HostCopy(values), None, peak)
 

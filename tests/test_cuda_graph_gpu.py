@@ -75,6 +75,9 @@ def test_replay_equals_eager_and_resumes(case, tmp_path):
     assert first_difference(a, b) is None, first_difference(a, b)
     pd.testing.assert_frame_equal(a, b, check_exact=True)
     assert graph.metrics["opt_step_ms"].iloc[3:].isna().all()   # replayed: the update is inside the graph
+    # a replay allocates nothing: its peak is the capture's (step 3), the activations in the graph's pool
+    peaks = graph.metrics["peak_mem_gib"]
+    assert (peaks.iloc[4:] >= peaks.iloc[3]).all(), peaks.tolist()
 
     # the state the replays left equals eager's, tensor for tensor
     ta = _tensors(eager.path / "checkpoints" / "step_20", tmp_path / "a.pt")

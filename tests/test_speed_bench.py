@@ -54,3 +54,17 @@ def test_rows_from_before_the_fp8_column_read_as_off():
                            "peak_mem_gib": 11.0}])
     assert list(table["fp8"]) == ["off", "off"]
     assert table["tok_per_s_vs_plain_compile_same_fp8"].tolist() == pytest.approx([1.0, 1.05])
+
+
+def test_blunb_rows_ask_for_a_validation_the_random_token_shards_hold(monkeypatch, tmp_path):
+    """seed-4b's rows failed on an H200 (2026-12-07): the trainer's default val_tokens asked the val shards for 320
+    windows of T = 4096 where they hold 98. Every row now asks for four micro-batches; a variant's own value wins."""
+    import bench.speed as speed
+
+    seen = []
+    monkeypatch.setattr(speed, "run_trainer_variant",
+                        lambda preset, name, overrides, **kw: seen.append(overrides) or {"status": "failed (2)"})
+    speed._blunb_row("seed-4b", "adamw", ["optimizer=adamw"], 10, 4, 0, tmp_path)
+    speed._blunb_row("seed-4b", "mine", ["val_tokens=8192"], 10, 4, 0, tmp_path)
+    assert "val_tokens=32768" in seen[0] and seen[0][-1] == "optimizer=adamw"   # 4 x B2 x T4096: 8 windows
+    assert seen[1].index("val_tokens=32768") < seen[1].index("val_tokens=8192")  # later overrides win
