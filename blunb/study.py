@@ -60,6 +60,10 @@ log = logging.getLogger("blunb.study")  # not __name__: it is "__main__" under p
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")  # one folder name, no path tricks
 _POLL_S = 0.5
+# A file of this name in a study's folder or any folder above it drains the study: it starts no more runs, lets
+# those running finish, and reports the rest as not started (a rerun trains them). Why: on a machine lent for a
+# known time, a run started too late to finish is GPU time lost (tools/gpu_study.sh collect's DRAIN_AFTER_S).
+DRAIN_FILE = ".drain"
 _LOG_EVERY_S = 30.0
 _RECANCEL_S = 5.0     # the cancel is sent again this often while a cancelled job is still going
 _JOB_GRACE_S = 60.0  # a cancelled job's run gets this long to stop (a queue's cancel takes a while to land)
@@ -104,7 +108,7 @@ class _Active:
 
 @dataclass
 class _Outcome:
-    status: str                 # completed | failed | killed | diverged
+    status: str                 # completed | failed | killed | diverged | not started (drained: DRAIN_FILE)
     error: str | None = None
     current: bool = True        # the folder holds this run (False: it failed before touching it)
 
@@ -352,6 +356,13 @@ class Study:
         progress = _Progress(self.name, total, total - len(todo), self.progress)
         try:
             while pending or active:
+                drain = _drain_file(self.folder) if pending else None
+                if drain is not None:
+                    log.warning(f"{self.name}: {drain} exists: starting none of the {len(pending)} run(s) left, "
+                                f"{len(active)} running finish; run the study again (without it) to train the rest")
+                    outcomes.update({p.name: _Outcome("not started", f"the study was drained ({drain}) before it "
+                                                      "started this run", current=False) for p in pending})
+                    pending = []
                 while pending and slots:
                     plan = pending.pop(0)
                     active.append(launcher.start(plan, _command(plan, self.nproc), slots.pop(0)))
@@ -376,6 +387,14 @@ class Study:
         finally:
             progress.close()
         return outcomes
+
+
+def _drain_file(folder: Path) -> Path | None:
+    """The DRAIN_FILE in `folder` or a folder above it, if there is one."""
+    for d in (folder, *folder.parents):
+        if (d / DRAIN_FILE).exists():
+            return d / DRAIN_FILE
+    return None
 
 
 def _command(plan: _Planned, nproc: int) -> list[str]:

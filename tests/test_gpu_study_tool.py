@@ -79,6 +79,7 @@ def test_start_reports_a_bad_parameter_at_once(tmp_path):
     (("collect", "/tmp", "/nonexistent/out"), "no output folder"),
     (("collect", "/tmp", "/tmp", "5m"), "WAIT_S must be whole seconds, got '5m'"),
     (("collect", "/tmp", "/tmp", "5", "all"), "FINISHED must be a number of runs, got 'all'"),
+    (("collect", "/tmp", "/tmp", "5", "3", "soon"), "DRAIN_AFTER_S must be whole seconds, got 'soon'"),
     (("launch",), "tools/gpu_study.sh start NOTEBOOK"),
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, args, message):
@@ -143,6 +144,39 @@ def test_start_runs_the_study_with_completed_runs_kept(tmp_path):
     started = run_tool("start", path, results=tmp_path / "results")
     assert started.returncode == 0, started.stderr
     assert seen.read_text() == "1"
+
+
+def test_collect_drains_the_study_after_drain_after_s_and_start_lifts_it(tmp_path):
+    """A lease's last command: after DRAIN_AFTER_S the studies start no more runs (blunb.study.DRAIN_FILE in
+    $BLUNB_RESULTS, which every study folder there sees above it); the next start removes it."""
+    import nbformat
+
+    from blunb.study import DRAIN_FILE
+
+    results = tmp_path / "results"
+    (results / "study").mkdir(parents=True)
+    # a stand-in for the study process (collect waits while one is running)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "blunb.study", "x.ipynb",
+                                 "--script"])
+    try:
+        done = run_tool("collect", results / "study", tmp_path, 4, "", 1, results=results)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert done.returncode == 0, done.stderr
+    assert "drained after 1 s" in done.stdout and (results / DRAIN_FILE).exists()
+
+    seen = tmp_path / "seen.txt"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("study = 'x'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(f"import os\nopen({str(seen)!r}, 'w').write(str(os.path.exists("
+                                  f"{str(results / DRAIN_FILE)!r})))")])
+    path = tmp_path / "probe.ipynb"
+    nbformat.write(nb, path)
+    assert run_tool("start", path, results=results).returncode == 0
+    assert seen.read_text() == "False"
+    drained = run_tool("drain", results=results)
+    assert drained.returncode == 0 and (results / DRAIN_FILE).exists(), drained.stderr
 
 
 def test_collect_fetches_diverged_and_nested_runs_and_names_with_dots(tmp_path):

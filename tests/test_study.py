@@ -275,6 +275,42 @@ def test_runs_launch_seed_by_seed_so_a_cut_off_study_leaves_whole_pairs(tmp_path
     assert started == ["a-s0", "b-s0", "side-s0", "a-s1", "b-s1", "a-s2", "b-s2"]
 
 
+def test_a_drained_study_starts_no_more_runs_and_lets_those_running_finish(tmp_path, monkeypatch):
+    """The drain file (in the study's folder or above it) appears while the first run trains: it finishes, the
+    others are reported as not started, and a study started while the file is there launches nothing."""
+    started, polls = [], []
+
+    class EndsOnSecondPoll:
+        def poll(self):
+            polls.append(1)
+            return (0, None) if len(polls) >= 2 else None
+
+    def start(self, plan, command, slot):
+        started.append(plan.name)
+        (tmp_path / blunb.study.DRAIN_FILE).touch()   # above the study's folder, as tools/gpu_study.sh drain puts it
+        return blunb.study._Active(plan, slot, 0.0, EndsOnSecondPoll())
+
+    monkeypatch.setattr(blunb.study._LocalLauncher, "start", start)
+    monkeypatch.setattr(blunb.study, "_outcome", lambda plan, *ended: blunb.study._Outcome("completed"))
+    study = Study("s", {"a": [], "b": ["max_lr=1e-3"]}, seeds=[0, 1], steps=4, root=tmp_path, max_parallel=1,
+                  progress=False)
+    with pytest.raises(StudyError, match=r"(?s)3 of 4 run\(s\).*a-s1: the study was drained") as err:
+        study.run()
+    assert started == ["a-s0"] and len(polls) == 2   # the run in flight was waited for, not abandoned
+    summary = err.value.summary
+    assert summary.set_index("run")["status"].to_dict() == {"a-s0": "completed", "b-s0": "not started",
+                                                             "a-s1": "not started", "b-s1": "not started"}
+    with pytest.raises(StudyError, match="4 of 4"):
+        study.run()
+    assert started == ["a-s0"]
+    (tmp_path / blunb.study.DRAIN_FILE).unlink()
+    monkeypatch.setattr(blunb.study._LocalLauncher, "start",
+                        lambda self, plan, command, slot: started.append(plan.name) or
+                        blunb.study._Active(plan, slot, 0.0, EndsOnSecondPoll()))
+    study.run()
+    assert started == ["a-s0", "a-s0", "b-s0", "a-s1", "b-s1"]
+
+
 def test_render_only_refuses_to_train_and_names_the_missing_runs(tmp_path, no_launch):
     study = Study("s", {"a": [], "b": ["max_lr=1e-3"]}, seeds=[0], steps=4, root=tmp_path, render_only=True)
     with pytest.raises(StudyError, match=r"render_only, but 2 of 2 run\(s\).*a-s0 \(new\), b-s0 \(new\)"):

@@ -4,12 +4,17 @@
 #   tools/gpu_study.sh start NOTEBOOK [blunb.study options...]
 #       launches `python -m blunb.study NOTEBOOK --script ...` in a session of its own (it outlives
 #       the command that started it) with its log in $BLUNB_RESULTS/<notebook>.log, and returns.
-#   tools/gpu_study.sh collect STUDY_FOLDER OUT_DIR [WAIT_S] [FINISHED]
+#   tools/gpu_study.sh collect STUDY_FOLDER OUT_DIR [WAIT_S] [FINISHED] [DRAIN_AFTER_S]
 #       waits until the study process ends, WAIT_S seconds pass, or FINISHED runs of STUDY_FOLDER are
-#       finished (completed or diverged, nested study folders included); then packs every finished run not
+#       finished (completed or diverged, nested study folders included); after DRAIN_AFTER_S seconds of that
+#       wait it drains the study (as drain below), so that a lease's last command ends with the runs it lets
+#       finish rather than cutting off runs it started too late; then packs every finished run not
 #       packed before (checkpoints left out) into OUT_DIR/runs-<time>[-n].tgz, each at most 15 MiB of run
 #       files and 56 MiB in all (what a command may bring back: the rest waits for the next collect),
 #       copies the log, and prints each run's last metrics row.
+#   tools/gpu_study.sh drain
+#       the studies under $BLUNB_RESULTS start no more runs (blunb.study.DRAIN_FILE there); those running
+#       finish, and the study process then exits, naming the runs it did not start. start lifts it.
 #   tools/gpu_study.sh unpack ARCHIVE... STUDY_FOLDER
 #       (back here) extracts the collected runs into STUDY_FOLDER, skipping those already there byte for
 #       byte, refusing before extracting anything when one there differs (a re-trained run must not
@@ -24,7 +29,8 @@
 set -euo pipefail
 # PYTHON: the interpreter with blunb importable (python3 if unset).
 
-usage() { sed -n '2,18p' "$0" >&2; exit 2; }
+usage() { sed -n '2,23p' "$0" >&2; exit 2; }
+drain_file=.drain   # blunb.study.DRAIN_FILE
 # Every run folder below $1 whose status.json says completed or diverged (a final state), relative to $1.
 finished_runs() {
   (cd "$1" && find . -name status.json -not -path '*/checkpoints/*' -print0 | sort -z |
@@ -51,7 +57,7 @@ start)
     touch "$results/.home-runs-marked"
   fi
   rc_file="$log.rc"
-  rm -f "$rc_file"
+  rm -f "$rc_file" "$results/$drain_file"   # a drain left by an earlier command would stop this study at once
   # The folder holds the committed runs copied over: a changed plan must stop, not retrain them (blunb.study).
   BLUNB_KEEP_COMPLETED=1 PYTHONUNBUFFERED=1 setsid nohup bash -c 'python=$0 rc_file=$1; shift 1; "$python" -m blunb.study "$@"; echo $? > "$rc_file"' \
     "${PYTHON:-python3}" "$rc_file" "$notebook" --script "$@" > "$log" 2>&1 < /dev/null &
@@ -66,16 +72,22 @@ start)
   ;;
 collect)
   [ $# -ge 2 ] || usage
-  folder=$1 out=$2 wait_s=${3:-0} target=${4:-}
+  folder=$1 out=$2 wait_s=${3:-0} target=${4:-} drain_after=${5:-}
   [ -d "$folder" ] || { echo "no study folder $folder" >&2; exit 1; }
   [ -d "$out" ] || { echo "no output folder $out" >&2; exit 2; }
   [[ $wait_s =~ ^[0-9]+$ ]] || { echo "WAIT_S must be whole seconds, got '$wait_s'" >&2; exit 2; }
   [ -z "$target" ] || [[ $target =~ ^[0-9]+$ ]] || { echo "FINISHED must be a number of runs, got '$target'" >&2; exit 2; }
+  [ -z "$drain_after" ] || [[ $drain_after =~ ^[0-9]+$ ]] ||
+    { echo "DRAIN_AFTER_S must be whole seconds, got '$drain_after'" >&2; exit 2; }
   start=$(date +%s)
   while pgrep -f "blunb.study .*--script" > /dev/null; do
     [ $(( $(date +%s) - start )) -ge "$wait_s" ] && break
+    if [ -n "$drain_after" ] && [ ! -e "$results/$drain_file" ] && [ $(( $(date +%s) - start )) -ge "$drain_after" ]; then
+      touch "$results/$drain_file"
+      echo "drained after ${drain_after} s: no run starts from here on, those running finish"
+    fi
     [ -n "$target" ] && [ "$(finished_runs "$folder" | wc -l)" -ge "$target" ] && break
-    sleep 10
+    sleep 2
   done
   if ! pgrep -f "blunb.study .*--script" > /dev/null; then
     echo "no study process is running; exit status: $(cat "$results"/*.log.rc 2> /dev/null || echo unknown)"
@@ -111,6 +123,10 @@ collect)
     run=${metrics#"$folder"/}
     echo "${run%/metrics.csv}: $(tail -1 "$metrics" | cut -c1-60)"
   done < <(find "$folder" -name metrics.csv -not -path '*/checkpoints/*' -print0 | sort -z)
+  ;;
+drain)
+  touch "$results/$drain_file"
+  echo "drained: the studies under $results start no more runs; those running finish ('start' lifts it)"
   ;;
 unpack)
   [ $# -ge 2 ] || usage
