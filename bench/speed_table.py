@@ -24,9 +24,9 @@ SOURCES = ["results/bench/speed_graph_124m_f66300f.csv", "results/bench/speed_gr
            "results/bench/speed_1b_batch524k.csv", "results/bench/speed_graph_1b_8c2c5d0.csv",
            "results/bench/speed_graph_124m_8c2c5d0.csv"]
 START, END = "<!-- speed-table: start (bench/speed_table.py writes it) -->", "<!-- speed-table: end -->"
-# peak GiB: the timed steps' own peak (the rows measured before 2026-12-08 with a graph leave out its pool, which
-# the capture allocates before them; later ones count the capture's peak); run peak GiB: the whole blunb run's,
-# graph pool and compile included (blunb rows only).
+# peak GiB: the timed steps' own peak (graph rows measured at a commit before 4bb5f98 leave out the graph's pool,
+# which the capture allocates before them; later ones count the capture's peak); run peak GiB: the whole blunb
+# run's, graph pool and compile included (blunb rows only).
 HEADER = ("| preset | variant | device | ms/step | tok/s | MFU causal | peak GiB | run peak GiB | vs plain compile "
           "| vs plain compile + graph | commit, date | file |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 

@@ -98,23 +98,22 @@ setup)
     "$PYTHON" -m pip install -q --no-deps --no-index --target "$extra" .device/wheels/*.whl
   fi
   export PYTHONPATH="$src:$extra"
-  if [ "$corpus" = - ]; then
-    echo "checkout $src at $sha (clean: $(git -C "$src" status --porcelain --untracked-files=no | wc -l) changed files); no corpus"
-    echo "export PYTHONPATH=$src:$extra"
-    exit 0
-  fi
-  if [ ! -f "$corpus/meta.json" ]; then
-    (cd "$src" && "$PYTHON" -m blunb.data prepare --source site-packages --tokenizer bpe:16384 --out "$corpus" \
-      --no-progress > /dev/null)
-  fi
-  corpus_sha=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$corpus/meta.json")
-  if [ -n "${EXPECT_CORPUS_SHA256:-}" ] && [ "$corpus_sha" != "$EXPECT_CORPUS_SHA256" ]; then
-    echo "corpus $corpus has sha256 $corpus_sha, not the expected $EXPECT_CORPUS_SHA256 (another site-packages?):" \
-      "its runs would not be comparable with the earlier ones" >&2
-    exit 1
+  corpus_line="no corpus"
+  if [ "$corpus" != - ]; then
+    if [ ! -f "$corpus/meta.json" ]; then
+      (cd "$src" && "$PYTHON" -m blunb.data prepare --source site-packages --tokenizer bpe:16384 --out "$corpus" \
+        --no-progress > /dev/null)
+    fi
+    corpus_sha=$("$PYTHON" -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$corpus/meta.json")
+    if [ -n "${EXPECT_CORPUS_SHA256:-}" ] && [ "$corpus_sha" != "$EXPECT_CORPUS_SHA256" ]; then
+      echo "corpus $corpus has sha256 $corpus_sha, not the expected $EXPECT_CORPUS_SHA256 (another site-packages?):" \
+        "its runs would not be comparable with the earlier ones" >&2
+      exit 1
+    fi
+    corpus_line="corpus $corpus sha256 $corpus_sha"
   fi
   echo "checkout $src at $sha (clean: $(git -C "$src" status --porcelain --untracked-files=no | wc -l) changed files)"
-  echo "corpus $corpus sha256 $corpus_sha"
+  echo "$corpus_line"
   echo "export PYTHONPATH=$src:$extra"
   ;;
 *) usage ;;
