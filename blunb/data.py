@@ -25,6 +25,7 @@ import site
 import sys
 import sysconfig
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -448,7 +449,9 @@ def prepare_corpus(files: list[Path], out_dir: str | Path, *, tokenizer: str = "
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; others sharing the data folder should read it
         log.info(f"reading {len(files)} files")
+        t0 = time.perf_counter()   # each phase's seconds are logged: a borrowed GPU machine prepares the corpus first
         docs, sizes, corpus_sha, duplicates = _survey([Path(p) for p in files], dedupe, progress)
+        log.info(f"read and hashed in {time.perf_counter() - t0:.0f} s")
         _check_split(len(docs), val_every)
         is_val = [i % val_every == val_every - 1 for i in range(len(docs))]
         extra = {"duplicates_dropped": duplicates} if dedupe else {}
@@ -461,10 +464,13 @@ def prepare_corpus(files: list[Path], out_dir: str | Path, *, tokenizer: str = "
                                        else "the whole train split"}
             log.info(f"training a {bpe_vocab}-id byte-level BPE on {extra['bpe_trained_on']['bytes'] / 1e6:.1f} MB "
                      f"({len(sample)} train files)")
+            t0 = time.perf_counter()
             tok = BPETokenizer.train((docs[i].read_bytes() for i in sample), bpe_vocab,
                                      tmp / BPETokenizer.file_name, progress=progress)
+            log.info(f"trained in {time.perf_counter() - t0:.0f} s")
         writers = {split: _ShardWriter(tmp, split, shard_tokens, tok.eot) for split in ("train", "val")}
         log.info(f"tokenizing {sum(sizes) / 1e6:.1f} MB with {tok.name}")
+        t0 = time.perf_counter()
         with tqdm(total=sum(sizes), desc=f"tokenizing ({tok.name})", unit="B", unit_scale=True,
                   file=sys.stderr, disable=not progress) as bar:
             for batch in _batches(sizes):
@@ -474,6 +480,7 @@ def prepare_corpus(files: list[Path], out_dir: str | Path, *, tokenizer: str = "
                 bar.update(sum(sizes[i] for i in batch))
         for writer in writers.values():
             writer.close()
+        log.info(f"tokenized and written in {time.perf_counter() - t0:.0f} s")
         meta = {**tok.describe(), "sha256": corpus_sha, "num_files": len(docs), "bytes": sum(sizes),
                 "source": source, **extra, "train_tokens": writers["train"].tokens,
                 "val_tokens": writers["val"].tokens, "format": "llm.c .bin v1"}

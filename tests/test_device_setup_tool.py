@@ -3,6 +3,7 @@ into a clean checkout of the same sha, other studies' committed results optional
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,8 @@ def test_pack_here_setup_there_gives_a_clean_checkout_of_head(tmp_path):
     assert f"at {head}" in again.stdout  # an existing clone of the same sha is kept
     bare = sh(["bash", str(TOOL), "setup", str(src), "-"], there, env={"EXTRA_DIR": str(tmp_path / "x")}).stdout
     assert f"at {head} (clean: 0 changed files)\nno corpus\n" in bare and "sha256" not in bare  # benchmarks: none
+    assert re.search(r"setup took \d+ s: checkout \d+, wheels \d+, corpus \d+ \(none\)", bare)
+    assert re.search(r"setup took \d+ s: checkout \d+, wheels \d+, corpus \d+ \(there already\)", out)
 
     other = sh(["bash", str(TOOL), "setup", str(src), str(corpus)], there,
                env={"EXTRA_DIR": str(tmp_path / "x"), "EXPECT_CORPUS_SHA256": "def456"}, check=False)

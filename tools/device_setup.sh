@@ -53,6 +53,7 @@ setup)
     echo "EXTRA_DIR $extra would be read as site-packages (the corpus): choose another folder" >&2; exit 2;;
   esac
   read -r sha tree < .device/head.ids
+  t_start=$SECONDS   # each phase's seconds, printed last: a lease's first command pays them before any run
   if [ "$(git -C "$src" rev-parse HEAD 2> /dev/null || true)" != "$sha" ]; then
     rm -rf "$src"
     mkdir -p "$src"
@@ -94,13 +95,17 @@ setup)
     [ "$made" = "$sha" ] || { echo "rebuilt commit $made is not $sha" >&2; exit 1; }
     git -C "$src" update-ref HEAD "$sha"
   fi
+  t_checkout=$((SECONDS - t_start))
   if ls .device/wheels/*.whl > /dev/null 2>&1 && [ ! -d "$extra/torchao" ]; then
     "$PYTHON" -m pip install -q --no-deps --no-index --target "$extra" .device/wheels/*.whl
   fi
   export PYTHONPATH="$src:$extra"
-  corpus_line="no corpus"
+  t_wheels=$((SECONDS - t_start - t_checkout))
+  corpus_line="no corpus" corpus_how="none"
   if [ "$corpus" != - ]; then
+    corpus_how="there already"
     if [ ! -f "$corpus/meta.json" ]; then
+      corpus_how="prepared"
       (cd "$src" && "$PYTHON" -m blunb.data prepare --source site-packages --tokenizer bpe:16384 --out "$corpus" \
         --no-progress > /dev/null)
     fi
@@ -115,6 +120,8 @@ setup)
   echo "checkout $src at $sha (clean: $(git -C "$src" status --porcelain --untracked-files=no | wc -l) changed files)"
   echo "$corpus_line"
   echo "export PYTHONPATH=$src:$extra"
+  echo "setup took $((SECONDS - t_start)) s: checkout $t_checkout, wheels $t_wheels," \
+    "corpus $((SECONDS - t_start - t_checkout - t_wheels)) ($corpus_how)"
   ;;
 *) usage ;;
 esac
