@@ -833,7 +833,7 @@ def _validate_if_due(run: _Run, step: int) -> float | None:
     if not _validation_due(cfg, step):
         return None
     run.opt.drain()  # install any staged parameter refresh before reading the weights
-    with _timed(run, "validation"):
+    with _timed(run, "validation"), run.opt.eval_context():
         run.last_val = evaluate(run.model, run.val_set, cfg.B, run.device, run.world_size)
     run.wall["validations"] += 1
     if run.rank == 0:

@@ -30,6 +30,9 @@ class PlainSGD:
     def micro_step(self, last):
         return nullcontext()
 
+    def eval_context(self):
+        return nullcontext()
+
     def set_lr(self, step):
         c = self.cfg
         lr = wsd_lr(step, c.max_lr, c.min_lr, c.warmup_steps, c.max_steps, c.stable_steps)
@@ -91,3 +94,64 @@ def test_an_unknown_optimizer_is_refused_naming_the_registered_ones():
         apply_overrides(preset("tiny"), ["optimizer=lion"]).validate()
     assert all(name in str(err.value) for name in build.OPTIMIZERS)
     assert set(build.OPTIMIZERS) >= {"adamw", "muon", "ddp_adamw", "adamw_bf16_nomaster"}
+
+
+class _FixedBatches:
+    """evaluate()'s validation set: one fixed batch."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def batches(self, B):
+        yield self.x, self.y
+
+
+def test_validation_runs_in_the_precision_training_runs_in():
+    """DDPAdamW trains under bf16 autocast (on CUDA): its validation must too, or the val loss measures another
+    model than the one trained (fp32 matmuls). Autocast is forced on here, on the CPU, to see it: the validation
+    loss equals the training forward's under micro_step, and differs from the fp32 one. The ZeRO sets' model
+    carries its own dtypes: no context."""
+    from blunb.model import BLU
+    from blunb.train import evaluate
+
+    cfg = apply_overrides(preset("tiny"), ["optimizer=ddp_adamw"])
+    model = BLU(cfg.model, device="cpu", seed=0)
+    opt = build.DDPAdamW(model, cfg, torch.device("cpu"), 1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=gen)
+    y = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=gen)
+    val = _FixedBatches(x, y)
+    fp32 = evaluate(model, val, 2, torch.device("cpu"), 1)
+
+    opt.autocast = True
+    with torch.no_grad(), opt.micro_step(last=True):
+        trained = model(x, y)[1].double().item()
+    with opt.eval_context():
+        validated = evaluate(model, val, 2, torch.device("cpu"), 1)
+    assert validated == trained and validated != fp32
+
+    zero = build.ZeroOptimizers(BLU(cfg.model, device="cpu", seed=0), apply_overrides(preset("tiny"), []),
+                                torch.device("cpu"), 1)
+    assert isinstance(zero.eval_context(), nullcontext)
+
+
+def test_the_trainer_validates_inside_the_sets_eval_context(monkeypatch, tmp_path):
+    """The loop's validation passes run inside eval_context: DDPAdamW with autocast forced on (the CPU), each
+    evaluate() call finds autocast on, and the run's val losses are finite."""
+    import blunb.train as train_module
+
+    def build_autocast(model, cfg, device, world_size):
+        opt = build.DDPAdamW(model, cfg, device, world_size)
+        opt.autocast = True
+        return opt
+    monkeypatch.setitem(build.OPTIMIZERS, "ddp_autocast", build.OptimizerSpec(build_autocast, linear_dtype="fp32"))
+    seen, evaluate = [], train_module.evaluate
+
+    def spy(*args, **kw):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return evaluate(*args, **kw)
+    monkeypatch.setattr(train_module, "evaluate", spy)
+    cfg = apply_overrides(preset("tiny"), ["optimizer=ddp_autocast"])
+    cfg.rescale_schedule(3)
+    m = pd.read_csv(train(cfg, tmp_path / "run") / "metrics.csv")
+    assert seen and all(seen) and m["val_loss"].dropna().map(math.isfinite).all()

@@ -87,9 +87,11 @@ class DDPAdamW:
     @contextmanager
     def micro_step(self, last: bool):
         sync = nullcontext() if last or not hasattr(self.forward_model, "no_sync") else self.forward_model.no_sync()
-        cast = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else nullcontext()
-        with sync, cast:
+        with sync, self.eval_context():
             yield
+
+    def eval_context(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
 
     def set_lr(self, step: int) -> dict:
         c = self.cfg
@@ -209,6 +211,9 @@ class ZeroOptimizers:
             for _, opt, _ in self.groups:
                 opt.arm_grad_sync()
         return nullcontext()
+
+    def eval_context(self):
+        return nullcontext()   # the model's own dtypes do the casts, in training and validation alike
 
     def set_lr(self, step: int) -> dict:
         c = self.cfg

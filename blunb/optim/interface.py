@@ -77,6 +77,11 @@ class OptimizerSet(Protocol):
         """The context around each micro-batch's forward + backward (`last`: the step's final one)."""
         ...
 
+    def eval_context(self) -> AbstractContextManager:
+        """The context around a validation forward: the compute precision of micro_step's forward, so that
+        validation measures the model as it trains."""
+        ...
+
     def set_lr(self, step: int) -> dict[str, float]:
         """Set this step's learning rates; returns them by name ("lr" always, more by name)."""
         ...
