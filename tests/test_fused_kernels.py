@@ -173,24 +173,25 @@ def test_qk_norm_rope_strided_grad_output():
 
 # ---------------------------------------------------------------- adamw (ZeRO-1 shard update)
 
-# (length, decays) per parameter: 129 and 300 end one and 44 elements into a block of the interpreter's
-# 128, 1 and 127 are shorter than one; decay on and off.
-ADAMW_PARAMS = ((300, True), (1, False), (129, True), (127, False))
+# (shard offset, flat offset, length, decays) per parameter, with padding between segments in both buffers, the
+# flat range starting off zero. Against the interpreter's 128-element blocks and the 8-element alignment: 300 from
+# aligned offsets is two whole blocks and a tail of 44; 1 element; 129 and 127 at offsets that are not congruent
+# modulo 8 (masked blocks only); 261 from congruent offsets 7 short of alignment: a head of 7, one whole block,
+# a tail of 126. Decay on and off.
+ADAMW_SEGMENTS = ((0, 8, 300, True), (303, 311, 1, False), (307, 320, 129, True), (439, 453, 127, False),
+                  (569, 585, 261, True))
 ADAMW_HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def _adamw_inputs(grad_dtype, param_dtype, found_inf=0.0):
-    """A rank's shard: each parameter's segment with padding between segments (shard and flat), the flat
-    range starting off zero, as ShardedAdamW lays them out; per-parameter step counts from 1 (the largest
-    bias correction) up."""
-    segments, shard_at, flat_at = [], 0, 7
-    for i, (n, decays) in enumerate(ADAMW_PARAMS):
-        segments.append((shard_at, flat_at, n, i, decays))
-        shard_at, flat_at = shard_at + n + 3, flat_at + n + 5
+    """A rank's shard as ADAMW_SEGMENTS lays it out; per-parameter step counts from 1 (the largest bias
+    correction) up."""
+    segments = [(s0, f0, n, i, decays) for i, (s0, f0, n, decays) in enumerate(ADAMW_SEGMENTS)]
+    shard_at, flat_at = (max(s[k] + s[2] for s in segments) + 3 for k in (0, 1))
     master = torch.randn(shard_at)
     state = dict(master=master, exp_avg=0.1 * torch.randn(shard_at), exp_avg_sq=0.01 * torch.rand(shard_at),
                  grad=torch.randn(flat_at).to(grad_dtype), param=torch.randn(flat_at).to(param_dtype),
-                 steps=torch.tensor([1.0, 2.0, 10.0, 1000.0]))
+                 steps=torch.tensor([1.0, 2.0, 10.0, 1000.0, 3.0]))
     scalars = dict(grad_scale=torch.tensor(2.0), found_inf=torch.tensor(found_inf))
     return segments, state, scalars
 
@@ -229,6 +230,27 @@ def test_adamw_update(grad_dtype, param_dtype):
             assert torch.equal(out[name][~touched], state[name][~touched]), name
             assert not torch.equal(out[name][touched], state[name][touched]), name
         assert torch.equal(out["param"][~flat_touched], state["param"][~flat_touched])
+
+
+def test_adamw_block_table_puts_aligned_whole_blocks_first():
+    """Every element of every segment in exactly one block; the whole blocks (the unmasked launch) first, each
+    BLOCK long from offsets that are multiples of ADAMW_ALIGN in both buffers, as many as ADAMW_SEGMENTS allows
+    (two in the first segment, one in the last); every block inside its segment, with its parameter's facts."""
+    from blunb.kernels.fused import adamw
+    from blunb.kernels.reference import ADAMW_ALIGN
+
+    segments, _, _ = _adamw_inputs(torch.float32, torch.float32)
+    table = kernels.adamw_block_table(segments, "cpu")
+    rows = list(zip(*(table[k].tolist() for k in ("shard", "flat", "len", "param", "decays")), strict=True))
+    assert table["whole"] == 3
+    for shard, flat, n, _, _ in rows[:3]:
+        assert n == adamw.BLOCK and shard % ADAMW_ALIGN == 0 and flat % ADAMW_ALIGN == 0
+    assert all(0 < n <= adamw.BLOCK for _, _, n, _, _ in rows)
+    for s0, f0, n, i, decays in segments:
+        mine = sorted((shard - s0, flat - f0, m) for shard, flat, m, p, d in rows if p == i and d == decays)
+        assert all(a == b for a, b, _ in mine)          # the same place in both buffers
+        covered = [k for a, _, m in mine for k in range(a, a + m)]
+        assert covered == list(range(n))               # once each, nothing outside the segment
 
 
 def test_adamw_update_skips_the_step_on_found_inf():

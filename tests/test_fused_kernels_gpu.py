@@ -166,19 +166,23 @@ def test_linear_cross_entropy_bf16(logit_dtype):
 
 def test_adamw_update_bf16():
     """The fused ZeRO-1 shard update with bf16 gradient and weights against reference.adamw_update_, at the
-    GPU's 4096-element blocks: segments ending one element into a block, one short of it, a single element.
-    The same bars as under the interpreter (tests/test_fused_kernels.py, where they are derived); the bf16
-    weights are exactly each side's master rounded."""
-    lengths = (3 * 4096 + 1, 1, 4095, 4097)
-    segments, shard_at, flat_at = [], 0, 11
-    for i, n in enumerate(lengths):
-        segments.append((shard_at, flat_at, n, i, n > 1))
-        shard_at, flat_at = shard_at + n + 3, flat_at + n + 5
+    GPU's 4096-element blocks: segments ending one element into a block, one short of it, a single element;
+    aligned (three whole blocks: the unmasked launch), six short of alignment (a head, one whole block, a tail),
+    and at offsets not congruent modulo 8 (masked blocks only). The same bars as under the interpreter
+    (tests/test_fused_kernels.py, where they are derived); the bf16 weights are exactly each side's master
+    rounded."""
+    specs = ((3 * 4096 + 1, 0), (1, 0), (4095, 5), (4096 + 7, 0))   # (length, flat offset's shift off congruence)
+    segments, shard_at, flat_at = [], 0, 16
+    for i, (n, shift) in enumerate(specs):
+        segments.append((shard_at, flat_at + shift, n, i, n > 1))
+        shard_at, flat_at = shard_at + n + 3, flat_at + n + 3
+    flat_at += 8
     state = dict(master=torch.randn(shard_at, device=DEV), exp_avg=0.1 * torch.randn(shard_at, device=DEV),
                  exp_avg_sq=0.01 * torch.rand(shard_at, device=DEV),
                  grad=torch.randn(flat_at, device=DEV).bfloat16(), param=torch.zeros(flat_at, device=DEV).bfloat16(),
                  steps=torch.tensor([1.0, 2.0, 10.0, 1000.0], device=DEV))
     table = kernels.adamw_block_table(segments, DEV)
+    assert table["whole"] == 4
     outs = {}
     for backend in ("triton", "torch"):
         out = {k: v.clone() for k, v in state.items()}

@@ -104,6 +104,12 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return cross_entropy(F.linear(x, weight).to(logit_dtype), targets, ignore_index)
 
 
+# The fused shard update's vector width in elements (16 bytes of bf16; fp32's 4 divide it): its block table starts
+# whole blocks on multiples of this in both buffers where a segment allows, and ShardedAdamW rounds each bucket's
+# chunk up to a multiple of it so that every segment does.
+ADAMW_ALIGN = 8
+
+
 def adamw_update_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                   param: torch.Tensor, steps: torch.Tensor, table: dict[str, torch.Tensor], *, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: torch.Tensor,

@@ -5,6 +5,7 @@ build their buffers and hooks from these plans, and blunb.studies.overlap's comm
 its collective units from the same calls, so the model cannot drift from the optimizers.
 
   backward_buckets   ShardedAdamW's reduce buckets (whole tensors in backward order, capped)
+  bucket_chunk       each rank's share of one of them (padded: ranks' ranges start on the fused update's vectors)
   ns_cost, lpt_partition   ShardedMuon's owner per tensor (LPT over the Newton-Schulz cost)
   muon_buckets       ShardedMuon rs_ag's buckets (each rank's owned run k, padded to the largest)
   refresh_stages, stage_index, publish_order, stage_waits   overlap_refresh's plan: which forward
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from blunb.kernels.reference import ADAMW_ALIGN
 
 COLLECTIVES = ("rs_ag", "reduce_bcast")
 REDUCE_DTYPES = {"param": None, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -34,6 +37,13 @@ def backward_buckets(numels: list[int], cap: int) -> list[list[int]]:
         cur_n += numels[i]
     buckets.append(cur)
     return buckets
+
+
+def bucket_chunk(numel: int, world: int) -> int:
+    """Each rank's share of a ShardedAdamW bucket of `numel` elements (the bucket is padded to `world` of them):
+    a multiple of ADAMW_ALIGN, so that every rank's range, and every parameter's offset in it wherever the
+    parameters before it are multiples too, starts where the fused shard update's 16-byte vectors can."""
+    return -(-numel // (world * ADAMW_ALIGN)) * ADAMW_ALIGN
 
 
 def ns_cost(shape, steps: int) -> float:

@@ -29,6 +29,7 @@ from blunb.optim.layout import (
     REDUCE_DTYPES,
     as_stages,
     backward_buckets,
+    bucket_chunk,
     publish_order,
     stage_index,
     stage_waits,
@@ -139,7 +140,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             for i in idx:
                 self._param_off[i] = off
                 off += plist[i].numel()
-            chunk = -(-(off - base) // W)
+            chunk = bucket_chunk(off - base, W)
             self._bucket_chunk.append(chunk)
             base += chunk * W
         self.numel = sum(p.numel() for p in plist)

@@ -33,6 +33,7 @@ from blunb.optim.build import build_optimizers
 from blunb.optim.layout import (
     REDUCE_DTYPES,
     backward_buckets,
+    bucket_chunk,
     lpt_partition,
     muon_buckets,
     ns_cost,
@@ -351,14 +352,14 @@ def _elem(dtype: torch.dtype) -> int:
 
 def _adamw_units(params, world: int, collective: str, red_dtype: torch.dtype, bucket_mb: float) -> list[dict]:
     """ShardedAdamW._build_layout: whole tensors in backward order, ~bucket_mb of the REDUCE dtype each,
-    every bucket padded to a multiple of W; reduced in bucket order."""
+    every bucket padded to W of layout.bucket_chunk; reduced in bucket order."""
     cap = max(1, int(bucket_mb * MIB) // _elem(red_dtype))
     buckets = backward_buckets([p.numel() for _, p in params], cap)
     units = []
     for b, idx in enumerate(buckets):
         numel = sum(params[i][1].numel() for i in idx)
         units.append({"reduce_pos": b, "forward_key": b, "params": tuple(params[i][0] for i in idx), "numel": numel,
-                      "wire_numel": -(-numel // world) * world, "calls": 1 if collective == "rs_ag" else world,
+                      "wire_numel": bucket_chunk(numel, world) * world, "calls": 1 if collective == "rs_ag" else world,
                       "dtype": params[0][1].dtype, "red_dtype": red_dtype})
     return units
 

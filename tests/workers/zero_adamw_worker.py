@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from blunb.kernels.reference import ADAMW_ALIGN
 from blunb.optim.clip import global_clip
 from blunb.optim.zero_adamw import ShardedAdamW, build_sharded_adamw
 
@@ -262,7 +263,7 @@ def run_state_bytes(W):
     bf, f32 = build_sharded_adamw(model, lr=LR, bucket_mb=TINY_BUCKETS)
     for o in (bf, f32):
         assert o.padded_numel % W == 0 and o.shard_numel * W == o.padded_numel
-        assert 0 <= o.padded_numel - o.numel < W * len(o._buckets)
+        assert 0 <= o.padded_numel - o.numel < W * ADAMW_ALIGN * len(o._buckets)
     held = lambda o: sum(t.nbytes for t in (o._master, o._exp_avg, o._exp_avg_sq) if t is not o._flat_param) + \
         (o._grad_stage.nbytes if o._grad_stage is not None else 0) + \
         (o._flat_red.nbytes if o._flat_red is not o._flat_grad else 0)
