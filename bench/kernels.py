@@ -35,6 +35,7 @@ from triton.testing import do_bench
 
 from blunb import kernels
 from blunb.kernels import reference as ref
+from blunb.kernels.fused import adamw as fused_adamw
 from blunb.kernels.fused.cross_entropy import cross_entropy as tri_ce
 from blunb.kernels.fused.qk_norm_rope import qk_norm_rope as tri_qk
 from blunb.kernels.fused.rms_norm import rms_norm as tri_rms
@@ -225,8 +226,10 @@ def case_adamw(liger, shapes):
     views = [[t[s0:s0 + n] for s0, _, n, _, _ in segments] for t in (master, grad32, exp_avg, exp_avg_sq)]
     step_views = list(steps.unbind())
 
-    def update(backend):
-        kernels.adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, table, **hyper,
+    masked = fused_adamw.block_table(segments, DEV, whole_blocks=False)
+
+    def update(backend, blocks=table):
+        kernels.adamw_update_(master, exp_avg, exp_avg_sq, grad, param, steps, blocks, **hyper,
                               grad_scale=grad_scale, found_inf=found_inf, backend=backend)
 
     def torch_path():  # ShardedAdamW with kernels=adamw=torch: stage the gradient, update per decay class, copy
@@ -239,7 +242,9 @@ def case_adamw(liger, shapes):
                                 amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
         param.copy_(master)
 
-    impls = {"blunb_triton": lambda: update("triton"), "torch_fused_adamw": torch_path,
+    # blunb_triton_masked: every block masked, at run-time offsets (the kernel before its whole blocks)
+    impls = {"blunb_triton": lambda: update("triton"), "blunb_triton_masked": lambda: update("triton", masked),
+             "torch_fused_adamw": torch_path,
              "torch_eager": lambda: update("torch")}
     return "adamw", f"{at} ({len(sizes)} params)", "bf16", 28 * at, {k: _Step(f) for k, f in impls.items()}
 

@@ -253,6 +253,24 @@ def test_adamw_block_table_puts_aligned_whole_blocks_first():
         assert covered == list(range(n))               # once each, nothing outside the segment
 
 
+def test_adamw_whole_blocks_update_as_masked_blocks_do():
+    """The unmasked launch of the whole blocks and the masked one over the same elements: the same bits (the same
+    formula per element; only the loads and stores differ)."""
+    from blunb.kernels.fused import adamw
+
+    segments, state, scalars = _adamw_inputs(torch.float16, torch.float16)
+    outs = []
+    for whole_blocks in (True, False):
+        table = adamw.block_table(segments, "cpu", whole_blocks=whole_blocks)
+        assert table["whole"] == (3 if whole_blocks else 0)
+        out = {k: v.clone() for k, v in state.items()}
+        kernels.adamw_update_(out["master"], out["exp_avg"], out["exp_avg_sq"], out["grad"], out["param"],
+                              out["steps"], table, **ADAMW_HYPER, **scalars, backend="triton")
+        outs.append(out)
+    for name in state:
+        assert torch.equal(outs[0][name], outs[1][name]), name
+
+
 def test_adamw_update_skips_the_step_on_found_inf():
     segments, state, scalars = _adamw_inputs(torch.float32, torch.float16, found_inf=1.0)
     for backend in ("triton", "torch"):

@@ -64,13 +64,14 @@ def _adamw_update(master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr, 
     tl.store(param_ptr + flat + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
 
 
-def block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict:
+def block_table(segments: list[tuple[int, int, int, int, bool]], device, whole_blocks: bool = True) -> dict:
     """segments: (shard offset, flat offset, length, parameter index, decays) -> the kernel's block
     table, each block inside one segment: one tensor per column, whole blocks first, and "whole", their count.
 
     A whole block holds BLOCK elements from offsets that are multiples of ADAMW_ALIGN in both buffers. A segment
     whose two offsets are congruent modulo ADAMW_ALIGN (ShardedAdamW's layout makes every one so) gives a short
-    head up to its first aligned element, whole blocks, and a tail; any other segment only masked blocks."""
+    head up to its first aligned element, whole blocks, and a tail; any other segment only masked blocks.
+    whole_blocks=False: masked blocks only (bench/kernels.py's baseline: the update before whole blocks)."""
     whole, rest = [], []
 
     def add(blocks, s0, f0, n, i, dec):
@@ -78,7 +79,7 @@ def block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict
             blocks.append((s0 + off, f0 + off, min(BLOCK, n - off), i, int(dec)))
 
     for s0, f0, n, i, dec in segments:
-        head = min(n, (-s0) % ADAMW_ALIGN if (s0 - f0) % ADAMW_ALIGN == 0 else n)
+        head = min(n, (-s0) % ADAMW_ALIGN if whole_blocks and (s0 - f0) % ADAMW_ALIGN == 0 else n)
         body = (n - head) // BLOCK * BLOCK
         add(rest, s0, f0, head, i, dec)
         add(whole, s0 + head, f0 + head, body, i, dec)
