@@ -147,9 +147,10 @@ def syrk(x, backend: str | None = None):
     return _call("syrk", backend, x)
 
 
-def adamw_block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict[str, torch.Tensor]:
+def adamw_block_table(segments: list[tuple[int, int, int, int, bool]], device) -> dict:
     """adamw_update_'s block table for segments (shard offset, flat offset, length, parameter index, decays),
-    split into the fused kernel's blocks (each inside one segment; the torch backend reads any such table)."""
+    split into the fused kernel's blocks (each inside one segment; the torch backend reads any such table): a
+    tensor per column and "whole", the count of the whole blocks that come first (fused/adamw.py)."""
     if _fused("adamw") is None:
         raise NotImplementedError("kernels.adamw_block_table: no Triton AdamW kernel here (triton is missing)")
     return _fused("adamw").block_table(segments, device)
