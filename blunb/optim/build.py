@@ -87,10 +87,13 @@ class DDPAdamW:
     @contextmanager
     def micro_step(self, last: bool):
         sync = nullcontext() if last or not hasattr(self.forward_model, "no_sync") else self.forward_model.no_sync()
-        with sync, self.eval_context():
+        with sync, self._cast():
             yield
 
     def eval_context(self):
+        return self._cast()   # validation in the precision training runs in
+
+    def _cast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
 
     def set_lr(self, step: int) -> dict:
