@@ -253,6 +253,28 @@ def test_adamw_block_table_puts_aligned_whole_blocks_first():
         assert covered == list(range(n))               # once each, nothing outside the segment
 
 
+@pytest.mark.parametrize("shift_buffer", [0, 1], ids=["shard", "flat"])
+def test_adamw_block_table_refuses_overlapping_segments(shift_buffer):
+    """Two segments sharing elements in either buffer would have their blocks race on those elements (the GPU
+    writes whichever block lands last): refused before any table is built. Adjacent segments are fine."""
+    from blunb.kernels.fused import adamw
+
+    segments, _, _ = _adamw_inputs(torch.float32, torch.float32)
+    adjacent = list(segments)
+    s0, f0, n, i, dec = adjacent[1]
+    prev = adjacent[0]
+    adjacent[1] = (prev[0] + prev[2], prev[1] + prev[2], n, i, dec)   # starts where the first segment ends
+    adamw.block_table(adjacent, "cpu")
+    overlapping = list(adjacent)
+    moved = list(overlapping[1])
+    moved[shift_buffer] -= 1                                            # one element into the first segment
+    overlapping[1] = tuple(moved)
+    with pytest.raises(ValueError, match="overlap in the " + ("shard", "flat")[shift_buffer]):
+        adamw.block_table(overlapping, "cpu")
+    with pytest.raises(ValueError, match="negative"):
+        adamw.block_table([(0, -1, 4, 0, True)], "cpu")
+
+
 def test_adamw_whole_blocks_update_as_masked_blocks_do():
     """The unmasked launch of the whole blocks and the masked one over the same elements: the same bits (the same
     formula per element; only the loads and stores differ)."""

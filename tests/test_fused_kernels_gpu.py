@@ -175,7 +175,8 @@ def test_adamw_update_bf16():
     segments, shard_at, flat_at = [], 0, 16
     for i, (n, shift) in enumerate(specs):
         segments.append((shard_at, flat_at + shift, n, i, n > 1))
-        shard_at, flat_at = shard_at + n + 3, flat_at + n + 3
+        # both buffers advance alike (the next segment congruent again), past the shifted one's end
+        shard_at, flat_at = shard_at + n + 11, flat_at + n + 11
     flat_at += 8
     state = dict(master=torch.randn(shard_at, device=DEV), exp_avg=0.1 * torch.randn(shard_at, device=DEV),
                  exp_avg_sq=0.01 * torch.rand(shard_at, device=DEV),

@@ -71,7 +71,16 @@ def block_table(segments: list[tuple[int, int, int, int, bool]], device, whole_b
     A whole block holds BLOCK elements from offsets that are multiples of ADAMW_ALIGN in both buffers. A segment
     whose two offsets are congruent modulo ADAMW_ALIGN (ShardedAdamW's layout makes every one so) gives a short
     head up to its first aligned element, whole blocks, and a tail; any other segment only masked blocks.
-    whole_blocks=False: masked blocks only (bench/kernels.py's baseline: the update before whole blocks)."""
+    whole_blocks=False: masked blocks only (bench/kernels.py's baseline: the update before whole blocks).
+    Segments that overlap in either buffer are refused: their blocks would race on the same elements."""
+    for k, buffer in ((0, "shard"), (1, "flat")):
+        if any(seg[k] < 0 or seg[2] < 0 for seg in segments):
+            raise ValueError(f"adamw block table: a segment with a negative {buffer} offset or length")
+        spans = sorted((seg[k], seg[k] + seg[2]) for seg in segments if seg[2])
+        for (s_a, e_a), (s_b, _) in zip(spans, spans[1:]):
+            if s_b < e_a:
+                raise ValueError(f"adamw block table: segments overlap in the {buffer} buffer "
+                                 f"([{s_a}, {e_a}) and one from {s_b})")
     whole, rest = [], []
 
     def add(blocks, s0, f0, n, i, dec):
