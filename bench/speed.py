@@ -77,28 +77,32 @@ def _overrides(spec: str) -> list[str]:
     return out
 
 
-def _profile(csv: Path, preset_name: str, variant: str) -> list[dict]:
-    if not csv.is_file():
-        return []
-    return [{"preset": preset_name, "variant": variant, **r} for r in pd.read_csv(csv).to_dict("records")]
+def _profile(csv: Path, preset_name: str, variant: str) -> tuple[list[dict], list[dict]]:
+    """A row's profile: its categories (csv) and its top kernels (the `_kernels` file write_profile puts beside
+    it), each row labelled with the preset and variant."""
+    tables = []
+    for path in (csv, csv.with_name(csv.stem + "_kernels.csv")):
+        records = pd.read_csv(path).to_dict("records") if path.is_file() else []
+        tables.append([{"preset": preset_name, "variant": variant, **r} for r in records])
+    return tables[0], tables[1]
 
 
 def _plain_row(preset_name: str, compile_model: bool, steps: int, warmup: int, profile_steps: int,
-               work: Path, fp8: str = "off", cuda_graph: bool = False) -> tuple[dict, list[dict]]:
+               work: Path, fp8: str = "off", cuda_graph: bool = False) -> tuple[dict, tuple[list[dict], list[dict]]]:
     name = variant_name(compile_model, fp8, cuda_graph)
     out = work / f"{name}-{preset_name}.json"
     cmd = [sys.executable, "bench/plain_llama.py", "--preset", preset_name, "--steps", str(steps),
            "--warmup", str(warmup), "--json", str(out), "--profile-steps", str(profile_steps), "--fp8", fp8]
     cmd += (["--compile"] if compile_model else []) + (["--cuda-graph"] if cuda_graph else [])
     if subprocess.run(cmd).returncode != 0 or not out.exists():
-        return {"variant": name, "preset": preset_name, "status": "failed", "fp8": fp8}, []
+        return {"variant": name, "preset": preset_name, "status": "failed", "fp8": fp8}, ([], [])
     row = json.loads(out.read_text())
     return {**row, "status": "ok", "kind": "baseline"}, _profile(out.with_name(out.stem + "-profile.csv"),
                                                                     preset_name, name)
 
 
 def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, warmup: int, profile_steps: int,
-               work: Path) -> tuple[dict, list[dict]]:
+               work: Path) -> tuple[dict, tuple[list[dict], list[dict]]]:
     cfg = preset(preset_name)
     fp8 = apply_overrides(preset(preset_name), overrides).model.fp8
     # val_tokens: four micro-batches, which the random-token val shards hold at every preset (the trainer's default
@@ -108,7 +112,7 @@ def _blunb_row(preset_name: str, name: str, overrides: list[str], steps: int, wa
     r = run_trainer_variant(preset_name, name, common + overrides, steps=steps, warmup=warmup, nproc=1,
                             runs_dir=work / "runs", profile_steps=profile_steps)
     if r["status"] != "ok":
-        return {**r, "preset": preset_name, "kind": "blunb", "fp8": fp8}, []
+        return {**r, "preset": preset_name, "kind": "blunb", "fp8": fp8}, ([], [])
     row = {"variant": name, "preset": preset_name, "status": "ok", "kind": "blunb", "fp8": fp8, "B": cfg.B, "T": cfg.T,
            "ms_per_step": r["steady_ms_per_step"], "tok_per_s": r["steady_tok_per_sec"],
            "mfu_causal": r["steady_mfu"], "mfu_palm": r["steady_mfu_palm"], "peak_mem_gib": r["peak_mem_gib"],
@@ -188,7 +192,8 @@ def main() -> None:
                     help="comma-separated model.fp8 recipes (tensorwise, rowwise): per recipe the plain baselines "
                          "converted with it and the blunb row adamw-fp8-<recipe> (needs torchao)")
     ap.add_argument("--profile-steps", type=int, default=3,
-                    help="steps profiled after the timed ones (0: none); <out stem>_profile.csv and .png")
+                    help="steps profiled after the timed ones (0: none); <out stem>_profile.csv and .png (categories), "
+                         "_profile_kernels.csv (each row's top kernels)")
     ap.add_argument("--work", default="/tmp/blunb_speed")
     ap.add_argument("--out", default="results/bench/speed.csv")
     args = ap.parse_args()
@@ -211,7 +216,9 @@ def main() -> None:
              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows: list[dict] = []
     profiles: list[dict] = []
+    top_kernels: list[dict] = []   # each row's largest kernels by name: what a category's time is made of
     profile_csv = out.with_name(out.stem + "_profile.csv")
+    kernels_csv = out.with_name(out.stem + "_profile_kernels.csv")
     for preset_name in args.presets.split(","):
         modes = [(mode != "eager", mode == "compile_graph") for mode in ("compile", "compile_graph", "eager")
                  if mode in args.baselines.split(",")]
@@ -229,9 +236,12 @@ def main() -> None:
             rows.append({**row, **facts, "wall_s": round(time.perf_counter() - t0, 1)})
             table = _with_ratios(rows)
             table.to_csv(out, index=False)
-            profiles += [{**r, **facts} for r in prof]
+            profiles += [{**r, **facts} for r in prof[0]]
+            top_kernels += [{**r, **facts} for r in prof[1]]
             if profiles:
                 pd.DataFrame(profiles).to_csv(profile_csv, index=False)
+            if top_kernels:
+                pd.DataFrame(top_kernels).to_csv(kernels_csv, index=False)
             log.info("%s %s: %s", preset_name, row["variant"], table.iloc[-1].to_dict())
     cols = ["preset", "variant", "fp8", "status", "ms_per_step", "tok_per_s", "mfu_causal", "mfu_palm", "peak_mem_gib",
             "tok_per_s_vs_plain_compile", "tok_per_s_vs_plain_compile_graph", "mem_vs_plain_compile",

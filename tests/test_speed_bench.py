@@ -68,3 +68,17 @@ def test_blunb_rows_ask_for_a_validation_the_random_token_shards_hold(monkeypatc
     speed._blunb_row("seed-4b", "mine", ["val_tokens=8192"], 10, 4, 0, tmp_path)
     assert "val_tokens=32768" in seen[0] and seen[0][-1] == "optimizer=adamw"   # 4 x B2 x T4096: 8 windows
     assert seen[1].index("val_tokens=32768") < seen[1].index("val_tokens=8192")  # later overrides win
+
+
+def test_a_blunb_row_brings_its_profile_categories_and_top_kernels(tmp_path):
+    """A real tiny run on the CPU, profiled for one step: the row's categories and its largest ops by name
+    (what bench/speed.py writes to <out>_profile.csv and <out>_profile_kernels.csv), both labelled with the row,
+    the kernels' time adding up to no more than the categories'."""
+    import bench.speed as speed
+
+    row, (categories, kernels) = speed._blunb_row("tiny", "adamw", ["optimizer=adamw"], 3, 1, 1, tmp_path)
+    assert row["status"] == "ok", row
+    assert categories and kernels
+    assert {(r["preset"], r["variant"]) for r in categories + kernels} == {("tiny", "adamw")}
+    assert {"kernel", "category", "ms_per_step"} <= set(kernels[0])
+    assert sum(r["ms_per_step"] for r in kernels) <= sum(r["ms_per_step"] for r in categories) * (1 + 1e-9)
