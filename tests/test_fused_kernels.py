@@ -261,7 +261,7 @@ def test_adamw_block_table_refuses_overlapping_segments(shift_buffer):
 
     segments, _, _ = _adamw_inputs(torch.float32, torch.float32)
     adjacent = list(segments)
-    s0, f0, n, i, dec = adjacent[1]
+    _, _, n, i, dec = adjacent[1]
     prev = adjacent[0]
     adjacent[1] = (prev[0] + prev[2], prev[1] + prev[2], n, i, dec)   # starts where the first segment ends
     adamw.block_table(adjacent, "cpu")
