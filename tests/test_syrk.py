@@ -48,6 +48,22 @@ def test_dispatch_on_cpu_uses_torch():
     assert not fused.prefer(x)
 
 
+def test_verdict_cache_follows_the_cache_dir(tmp_path, monkeypatch):
+    """A process that moves BLUNB_CACHE_DIR reads the new folder's verdicts, and writes there only its own."""
+    entry = {"backend": "cublas", "config": None, "triton_ms": None, "cublas_ms": 1.0}
+    first, second = tmp_path / "a", tmp_path / "b"
+    cache = fused._Cache()
+    monkeypatch.setenv("BLUNB_CACHE_DIR", str(first))
+    cache.put("dev|b0|m8|k8", entry)
+    monkeypatch.setenv("BLUNB_CACHE_DIR", str(second))
+    assert cache.get("dev|b0|m8|k8") is None
+    cache.put("dev|b0|m16|k16", entry)
+    name = f"syrk_autotune_v{fused.CACHE_VERSION}.json"
+    assert set(json.loads((second / name).read_text())["entries"]) == {"dev|b0|m16|k16"}
+    monkeypatch.setenv("BLUNB_CACHE_DIR", str(first))
+    assert cache.get("dev|b0|m8|k8") == entry and cache.get("dev|b0|m16|k16") is None
+
+
 def test_verdict_cache_is_versioned_and_persisted(tmp_path, monkeypatch):
     monkeypatch.setenv("BLUNB_CACHE_DIR", str(tmp_path))
     cache = fused._Cache()

@@ -175,19 +175,24 @@ def _cache_path() -> Path:
 
 
 class _Cache:
-    """Verdicts on disk; one JSON object per shape key, rewritten atomically on each addition."""
+    """Verdicts on disk; one JSON object per shape key, rewritten atomically on each addition. The entries are read
+    once per file: a process that points BLUNB_CACHE_DIR elsewhere reads (and writes) the new file, never carrying
+    the old one's verdicts into it."""
 
     def __init__(self):
         self._entries: dict | None = None
+        self._path: Path | None = None   # the file self._entries came from
         self._lock = threading.Lock()
 
     def _load(self) -> dict:
-        if self._entries is None:
+        path = _cache_path()
+        if self._entries is None or path != self._path:
             try:
-                data = json.loads(_cache_path().read_text())
+                data = json.loads(path.read_text())
                 self._entries = data["entries"] if data.get("version") == CACHE_VERSION else {}
             except (OSError, ValueError, KeyError):
                 self._entries = {}
+            self._path = path
         return self._entries
 
     def get(self, key: str):
