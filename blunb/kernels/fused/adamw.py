@@ -73,9 +73,10 @@ def block_table(segments: list[tuple[int, int, int, int, bool]], device, whole_b
     head up to its first aligned element, whole blocks, and a tail; any other segment only masked blocks.
     whole_blocks=False: masked blocks only (bench/kernels.py's baseline: the update before whole blocks).
     Segments that overlap in either buffer are refused: their blocks would race on the same elements."""
+    bad = next((seg for seg in segments if min(seg[:3]) < 0), None)
+    if bad is not None:
+        raise ValueError(f"adamw block table: a segment with a negative offset or length: {bad[:3]}")
     for k, buffer in ((0, "shard"), (1, "flat")):
-        if any(seg[k] < 0 or seg[2] < 0 for seg in segments):
-            raise ValueError(f"adamw block table: a segment with a negative {buffer} offset or length")
         spans = sorted((seg[k], seg[k] + seg[2]) for seg in segments if seg[2])
         for (s_a, e_a), (s_b, _) in zip(spans, spans[1:]):
             if s_b < e_a:
