@@ -20,10 +20,11 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("torchao.float8")
 
 STEPS = 30
-# |mean train loss over the last 5 of 30 tiny steps, fp8 - bf16|, same seed and data. Another init seed moves
-# that mean by up to 0.025 (measured with bf16 Linears on the CPU, init_seed 1 and 2 against 0; torch's CPU
-# float8 GEMM moved it by 0.004 tensorwise, 0.010 rowwise): twice the init-seed spread.
-LOSS_TOLERANCE = 0.05
+# |mean train loss over the last 5 of 30 tiny steps, fp8 - bf16|, same seed and data, must stay within twice what
+# another init seed moves that mean in bf16. On the CPU that move was up to 0.025 (init_seed 1 and 2 against 0;
+# torch's CPU float8 GEMM moved it by 0.004 tensorwise, 0.010 rowwise), the floor here; on the GPU the test
+# measures it again (init seeds 1 and 2), since one H100 run moved it by 0.051 under eager rowwise fp8.
+MIN_SEED_SPREAD = 0.025
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,14 +65,27 @@ def bf16_losses(tmp_path_factory):
     return metrics["train_loss"].to_numpy()
 
 
+@pytest.fixture(scope="module")
+def loss_tolerance(bf16_losses, tmp_path_factory):
+    """Twice the largest move of the last-5-step mean loss that init seeds 1 and 2 make against seed 0 in bf16 on
+    this device, at least MIN_SEED_SPREAD."""
+    spreads = []
+    for init_seed in (1, 2):
+        metrics, _, _ = _run(tmp_path_factory.mktemp(f"bf16-init{init_seed}") / "run", "off",
+                             [f"init_seed={init_seed}"])
+        spreads.append(abs(metrics["train_loss"].to_numpy()[-5:].mean() - bf16_losses[-5:].mean()))
+    print(f"bf16 init-seed spread of the last-5-step mean loss: {', '.join(f'{x:.4f}' for x in spreads)}")
+    return 2 * max(MIN_SEED_SPREAD, *spreads)
+
+
 @pytest.mark.parametrize("recipe, compiled", [("tensorwise", True), ("rowwise", True), ("rowwise", False)])
-def test_a_few_training_steps_stay_near_bf16(recipe, compiled, bf16_losses, tmp_path):
+def test_a_few_training_steps_stay_near_bf16(recipe, compiled, bf16_losses, loss_tolerance, tmp_path):
     metrics, facts, log = _run(tmp_path / "run", recipe, [f"compile={str(compiled).lower()}"])
     losses = metrics["train_loss"].to_numpy()
     assert np.isfinite(losses).all() and len(losses) == STEPS
     assert losses[-5:].mean() < losses[:5].mean() - 1.0   # it learns
     assert not np.array_equal(losses, bf16_losses)          # float8 GEMMs did run
-    assert abs(losses[-5:].mean() - bf16_losses[-5:].mean()) < LOSS_TOLERANCE
+    assert abs(losses[-5:].mean() - bf16_losses[-5:].mean()) < loss_tolerance
     assert facts["fp8"]["recipe"] == recipe and facts["fp8"]["linears"] == 6 * preset("tiny").model.n_layers
     assert facts["precision"]["body_gemms"].startswith(f"fp8 {recipe} (torchao ")
     assert f"float8 training, {recipe}:" in log
