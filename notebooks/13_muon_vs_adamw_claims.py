@@ -64,9 +64,18 @@ NS_PAIRS_FOR_POWER = {what: pairs_for_tost(sd, NOISE_MARGIN_NATS) for what, sd i
 # also runs on a schedule twice as long, so that tokens-to-target is read inside AdamW's own budget
 # (a target Muon reaches late in its run may lie beyond AdamW's 1x budget); the step-cost runs (AdamW, Muon,
 # Muon with each NS option) use the preset's own 524,288-token batch, one run at a time on the GPU, timing
-# opt_step_ms. Runs: the sweep 10 (5 lrs each, seed 0), the tuned arms' other seeds 5 + 6 (Muon's with the
-# pilot), AdamW's 2x schedule 6, the controlled and original arms 3 + 3, the two NS option arms 6 + 6: 45
-# grid runs, and the 4 step-cost runs (49 in all; 42 before the aol4 arm, 35 before the first option).
+# opt_step_ms, in COST_ROUNDS rounds (each arm once a round, the order reversed every other round). Runs: the
+# sweep 10 (5 lrs each, seed 0), the tuned arms' other seeds 5 + 6 (Muon's with the pilot), AdamW's 2x schedule 6,
+# the controlled and original arms 3 + 3, the two NS option arms 6 + 6: 45 grid runs, and 4 x 4 step-cost runs
+# (61 in all).
+#
+# Rounds, not one run per arm (changed 2026-12-08, before any GPU run of this study): two consecutive one-at-a-time
+# 150-step runs on one H100 differed by 36% in median step time where their settings explain none of it
+# (results/precision-gpu's timing pass: fp32_layout 38.5 ms, bf16_embed 28.3 ms; alone on another lease both
+# settings ran at ~29 ms). One run per arm puts that between-run spread into the ratio and no interval over
+# one run's steps shows it; an interval over rounds does. 4 rounds of 12 steps cost about what 4 runs of 20 did
+# not: ~16 runs x ~45 s.
+COST_ROUNDS = 4
 GPU_SCALE = {
     "preset": "124m",
     "max_steps": 2000, "warmup_steps": 200, "stable_steps": 1400, "decay_steps": 400,
@@ -85,15 +94,18 @@ GPU_SCALE = {
                          "overrides": overrides, "baseline": NS_BASELINE, "seeds": NS_OPTION_SEEDS,
                          "pairing": "seed k shares seed and data_seed k with the tuned Muon arm's seed k"}
                    for tag, overrides in NS_OPTIONS.items()},
-    "step_cost": {"global_batch": 524288, "steps": 20, "one_at_a_time": True, "timed": "opt_step_ms and dt_ms",
+    "step_cost": {"global_batch": 524288, "steps": 12, "rounds": COST_ROUNDS, "one_at_a_time": True,
+                  "order": "every arm once a round; the arms' order reversed every other round",
+                  "timed": "opt_step_ms and dt_ms",
                   "arms": ["adamw", "muon", *(f"muon with {tag}" for tag in NS_OPTIONS)]},
-    "runs": {"grid": 45, "step_cost": 4, "total": 49},
+    "runs": {"grid": 45, "step_cost": 4 * COST_ROUNDS, "total": 45 + 4 * COST_ROUNDS},
     "power": {f"muon.ns_<option>_equivalent pairs for 80% power, {what} sd {NS_PAIRED_SD[what]}": n
               for what, n in NS_PAIRS_FOR_POWER.items()},
     "parameters": {
         "preset": "124m", "steps": 2000, "seeds": [0, 1, 2, 3, 4, 5], "pilot_seed": 100,
         "adamw_lrs": [7.5e-5, 1.5e-4, 3e-4, 6e-4, 1.2e-3], "muon_lrs": [4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3],
-        "controlled_seeds": 3, "adamw_schedule_factor": 2, "ns_option": True, "real_batch_steps": 20,
+        "controlled_seeds": 3, "adamw_schedule_factor": 2, "ns_option": True, "real_batch_steps": 12,
+        "cost_rounds": COST_ROUNDS,
         # 2, not 4 (changed 2026-12-07, before any GPU run of this study): a borrowed machine's lease gives
         # ~900-1,600 s of training, and a run still in flight when it ends is lost (its checkpoints are too large
         # to bring home). Four at a time on an H100 took ~530 s a 2000-step run (clipping-gpu), so the AdamW arm's
@@ -149,17 +161,18 @@ CLAIMS = [
           source="Muon's step costs little more than AdamW's at the real batch",
           figure="blunb's own: the seed times no Muon vs AdamW step (bluscript.cpp's 'cheaper than sharded "
                  "AdamW' is about state memory)",
-          statistic="Muon / AdamW whole-step time (dt_ms, steps >= 2) at the preset's 524,288-token batch, "
-                    "two one-at-a-time runs; geometric-mean ratio, Welch CI of log dt_ms; n: timed steps of "
-                    "the shorter run",
-          test="ratio_ci", band=(float("-inf"), 1.10), min_seeds=6),
+          statistic="Muon / AdamW whole-step time (each run's mean dt_ms over steps >= 2) at the preset's "
+                    "524,288-token batch, one-at-a-time runs in rounds (each arm once a round, the order reversed "
+                    "every other round); geometric-mean ratio of round r's Muon over round r's AdamW, paired t CI "
+                    "of the log ratios; n: rounds",
+          test="ratio_ci", band=(float("-inf"), 1.10), min_seeds=COST_ROUNDS),
     Claim(id="muon.opt_step_extra",
           source="Muon's optimizer step is a small part of the step at the real batch",
           figure="blunb's own (the seed times the Newton-Schulz path only as a whole step)",
-          statistic="(mean Muon - mean AdamW opt_step_ms) / AdamW's mean dt_ms, same runs and steps as "
-                    "muon.step_time_ratio, Welch CI of the difference; runs without opt_step_ms have no "
+          statistic="per round, (mean Muon - mean AdamW opt_step_ms) / AdamW's mean dt_ms, the runs and steps of "
+                    "muon.step_time_ratio; its mean over rounds with the t CI; runs without opt_step_ms have no "
                     "estimate (inconclusive)",
-          test="diff_ci", band=(float("-inf"), 0.10), min_seeds=6),
+          test="diff_ci", band=(float("-inf"), 0.10), min_seeds=COST_ROUNDS),
     Claim(id="muon.larger_lr",
           source="Muon typically tolerates 2-4x more LR once it is working",
           figure="bluscript.cpp ModelConfig, Muon block, the muon_lr comment",
@@ -207,9 +220,9 @@ CLAIMS = [
               figure="not the reference's (issue 30); the Newton-Schulz alone is timed by bench/muon.py --schedules "
                      "--preconditions",
               statistic=f"Muon's optimizer step with NS_OPTIONS[{tag!r}] / with NS_BASELINE (opt_step_ms, steps >= 2) "
-                        "at the preset's 524,288-token batch, two one-at-a-time step-cost runs (the muon one of "
-                        "muon.step_time_ratio and one more); geometric-mean ratio, Welch CI of log opt_step_ms; runs "
-                        "without opt_step_ms have no estimate",
+                        "at the preset's 524,288-token batch, each run's mean over steps >= 2, in the rounds of "
+                        "muon.step_time_ratio (the muon runs there and this option's); geometric-mean ratio, paired "
+                        "t CI of the log ratios over rounds; runs without opt_step_ms have no estimate",
               test="ratio_ci", na_reason="no source states a figure: 4/5 would be the Newton-Schulz's own ratio (the "
                                          "same GEMMs per iteration), but opt_step_ms also holds the momentum, the "
                                          "update, the aux AdamW and the graph replay's host cost, so the whole step's "

@@ -143,8 +143,13 @@ def test_the_muon_studys_ns_options_are_the_tuned_arm_with_one_iteration_fewer()
     assert spec.gpu_scale["parameters"]["ns_option"] is True
     # the sweep 10, the tuned arms' other seeds 5 + 6, AdamW's 2x schedule 6, the controlled arms 3 + 3: 33
     runs = spec.gpu_scale["runs"]
-    assert runs["grid"] == 33 + m.NS_OPTION_SEEDS * len(m.NS_OPTIONS) and runs["step_cost"] == 2 + len(m.NS_OPTIONS)
+    assert runs["grid"] == 33 + m.NS_OPTION_SEEDS * len(m.NS_OPTIONS)
+    assert runs["step_cost"] == (2 + len(m.NS_OPTIONS)) * m.COST_ROUNDS   # AdamW, Muon and each option, every round
     assert runs["total"] == runs["grid"] + runs["step_cost"]
+    # the step-cost claims count rounds (the spread between runs is in their interval), as many as the GPU runs make
+    assert spec.gpu_scale["parameters"]["cost_rounds"] == spec.gpu_scale["step_cost"]["rounds"] == m.COST_ROUNDS >= 3
+    for cid in ("muon.step_time_ratio", "muon.opt_step_extra"):
+        assert spec.claim(cid).min_seeds == m.COST_ROUNDS
 
 
 @pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
