@@ -18,7 +18,9 @@ env: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --index-url $(TORCH_INDEX) "torch==$(TORCH_VERSION)"
+	# --retries 2: a machine that cannot reach TORCH_INDEX (its pip configuration serving torch locally) falls
+	# through to its own index in ~1 s a package instead of pip's default 5 retries with backoff (~75 s in all).
+	$(PY) -m pip install -q --retries 2 --index-url $(TORCH_INDEX) "torch==$(TORCH_VERSION)"
 	# torch named again: the one just installed satisfies it, and a TORCH_VERSION outside blunb's range
 	# stops here with a conflict rather than pip swapping in PyPI's (CUDA) torch.
 	$(PY) -m pip install -q -e ".[dev,notebook]" "torch==$(TORCH_VERSION)"
