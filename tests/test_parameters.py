@@ -4,6 +4,7 @@ against the type of its default instead."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -114,6 +115,20 @@ def test_the_quickstart_notebook_stops_at_its_check_before_any_work(tmp_path, mo
                                    parameters={"publish": "maybe"}, kernel_name="python3", progress_bar=False,
                                    cwd=str(REPO / "notebooks"))
     assert list(tmp_path.iterdir()) == [tmp_path / "out.ipynb"]  # no study folder was made
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"controlled_seeds": 0}, "controlled_seeds must be in"),
+    ({"cost_rounds": 0}, "cost_rounds must be >= 1 where real_batch_steps > 0, got 0")])
+def test_the_muon_study_refuses_a_bad_plan_before_any_run(params, match, tmp_path):
+    """A value of the right type that plans nothing sensible (no controlled seed, no step-cost round) stops the Muon
+    study in its setup cell: no run folder is made."""
+    args = [arg for key, value in params.items() for arg in ("-p", key, str(value))]
+    proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/13_muon_vs_adamw.ipynb", "--script", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
+    assert proc.returncode != 0 and match in proc.stderr, proc.stderr[-2000:]
+    assert not any(tmp_path.rglob("config.json"))   # nothing trained
 
 
 def test_blunb_study_cli_types_its_parameters_before_papermill_runs(tmp_path, monkeypatch, capsys):
