@@ -404,20 +404,18 @@ def test_the_committed_124m_runs_render_with_their_sharing_unknown(tmp_path):
 
 
 def test_the_committed_gpu_study_renders_to_its_committed_claims_and_costs(tmp_path):
-    """results/precision-gpu (issue 31's scale: 38 runs and the timing pass) rendered render_only with its README's
-    parameters gives the committed claims.csv and cost.csv: every committed verdict and time figure recomputes
-    from the run folders."""
+    """results/precision-gpu (issue 31's scale: 38 runs and the timing pass) rendered render_only with the parameters
+    its spec declares (GPU_SCALE; the corpus at the folder the runs read it from) gives the committed claims.csv and
+    cost.csv: every committed verdict and time figure recomputes from the run folders."""
     committed_folder = REPO / "results" / "precision-gpu"
     shutil.copytree(committed_folder, tmp_path / "precision-gpu",  # the run folders; no rendered output
                     ignore=lambda folder, names: [] if "metrics.csv" in names else
                     [n for n in names if n.endswith((".csv", ".png", ".svg", ".ipynb", ".json"))])
-    common = ("['global_batch=16384', 'warmup_steps=200', 'stable_steps=1400', 'val_freq=250', "
-              "'val_tokens=1048576', 'data=/data/sp-bpe16k', 'model.vocab_size=16384']")
-    proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/11_precision.ipynb", "--script",
-                           "-p", "preset", "124m", "-p", "steps", "2000", "-p", "seeds", "[0, 1, 2, 3]",
-                           "-p", "fp8_seeds", "[0, 1, 2, 3, 4, 5]", "-p", "fp8_arms", "auto",
-                           "-p", "runs_per_gpu", "2", "-p", "timing_steps", "150", "-p", "publish", "True",
-                           "-p", "study", "precision-gpu", "-p", "render_only", "True", "-p", "common", common],
+    declared = dict(load_spec(REPO / "notebooks" / "11_precision_claims.py").gpu_scale["parameters"])
+    declared["common"] = ["data=/data/sp-bpe16k" if o.startswith("data=") else o for o in declared["common"]]
+    params = {**declared, "publish": True, "render_only": True}
+    args = [arg for key, value in params.items() for arg in ("-p", key, str(value))]
+    proc = subprocess.run([sys.executable, "-m", "blunb.study", "notebooks/11_precision.ipynb", "--script", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=600,
                           env={**os.environ, "BLUNB_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
